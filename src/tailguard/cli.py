@@ -1,0 +1,202 @@
+"""Command line: ``tailguard sim | capacity | gpus | models`` (and the gateway commands).
+
+Configuration errors exit with code 2 and one line naming the field; they never
+print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tailguard.errors import ConfigError
+
+EXIT_CONFIG = 2
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}f}"
+
+
+def _sim_table(doc: dict[str, Any]) -> Table:
+    slo = doc["slo"]
+    table = Table(title=f"{doc['scenario']}: capacity bound {doc['capacity_bound_rps']:.1f} req/s, "
+                        f"SLO ttft {slo['ttft_s']} s / tpot {slo['tpot_s']} s")
+    for col in ("policy", "offered/s", "done", "failed", "TTFT p50", "TTFT p99", "TPOT p50",
+                "TPOT p99", "E2E p99", "SLO att.", "goodput/s"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    has_goodput = any("max_goodput_rps" in r for r in doc["results"].values())
+    if has_goodput:
+        table.add_column("max goodput/s", justify="right")
+    for name, r in doc["results"].items():
+        row = [
+            name, _fmt(r["offered_rps"], 1), str(r["completed"]), str(r["failed"]),
+            _fmt(r["ttft_s"]["p50"]), _fmt(r["ttft_s"]["p99"]), _fmt(r["tpot_s"]["p50"]),
+            _fmt(r["tpot_s"]["p99"]), _fmt(r["e2e_s"]["p99"], 2), _fmt(r["slo_attainment"], 4),
+            _fmt(r["goodput_rps"], 2),
+        ]
+        if has_goodput:
+            row.append(_fmt(r.get("max_goodput_rps", 0.0), 2))
+        table.add_row(*row)
+    return table
+
+
+def _per_gpu_table(doc: dict[str, Any]) -> Table:
+    table = Table(title="per GPU class")
+    for col in ("policy", "gpu", "nodes", "share", "util. of SLO cap.", "TTFT p99", "TPOT p99",
+                "SLO att."):
+        table.add_column(col, justify="left" if col in ("policy", "gpu") else "right")
+    for name, r in doc["results"].items():
+        for gpu, g in r["per_gpu"].items():
+            table.add_row(name, gpu, str(g["nodes"]), _fmt(g["share"]), _fmt(g["utilization"], 2),
+                          _fmt(g["ttft_p99_s"]), _fmt(g["tpot_p99_s"]), _fmt(g["slo_attainment"], 4))
+    return table
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from tailguard.sim.run import RunOptions, simulate
+    from tailguard.sim.scenario import load_scenario, parse_policies
+
+    scn = load_scenario(args.scenario)
+    policies = parse_policies(args.policies, "--policies") if args.policies else None
+    opts = RunOptions(rate=args.rate, load=args.load, duration_s=args.duration, seed=args.seed,
+                      find_goodput=args.find_goodput, attainment=args.attainment)
+    console = Console(stderr=True)
+    quiet = args.quiet or not console.is_terminal
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[t]}"),
+                  TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(label: str, t: float, horizon: float) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=horizon, t="")
+            bar.update(tasks[label], completed=min(t, horizon), t=f"{t:.0f}/{horizon:.0f} s")
+
+        doc = simulate(scn, policies, opts, progress)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    out = Console()
+    out.print(_sim_table(doc))
+    out.print(_per_gpu_table(doc))
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from tailguard.sim.capacity import fleet_capacity
+    from tailguard.sim.scenario import load_scenario
+
+    scn = load_scenario(args.scenario)
+    cap = fleet_capacity(scn)
+    plans = {p.id: p for p in scn.nodes()}
+    table = Table(title=f"SLO capacity of each node alone ({scn.model}, TTFT <= {scn.slo.ttft_s} s,"
+                        f" TPOT <= {scn.slo.tpot_s} s, attainment {scn.slo.attainment})")
+    for col in ("node", "gpu", "tp", "KV tokens", "capacity req/s"):
+        table.add_column(col, justify="left" if col in ("node", "gpu") else "right")
+    for nid, rps in cap.items():
+        p = plans[nid]
+        table.add_row(nid, p.perf.gpu.name, str(p.perf.tp), str(p.perf.kv_capacity_tokens),
+                      f"{rps:.2f}")
+    table.add_row("fleet", "", "", "", f"{sum(cap.values()):.2f}", style="bold")
+    Console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"scenario": scn.name, "capacity_bound_rps": sum(cap.values()),
+             "node_capacity_rps": cap}, indent=2) + "\n")
+    return 0
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    from tailguard.core.hardware import DEFAULT_CATALOG
+
+    table = Table(title="GPU catalog (dense BF16/FP16)")
+    for col in ("name", "TFLOP/s", "GB/s", "GB", "TDP W", "$/h", "aliases"):
+        table.add_column(col)
+    for g in DEFAULT_CATALOG.gpus:
+        table.add_row(g.name, f"{g.tflops:g}", f"{g.mem_bw_gbps:g}", f"{g.mem_gb:g}",
+                      f"{g.tdp_w:g}", f"{g.price_per_hour:.2f}", ", ".join(g.aliases))
+    Console().print(table)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tailguard.core.hardware import DEFAULT_CATALOG
+
+    table = Table(title="model catalog")
+    for col in ("name", "params", "layers", "hidden", "KV heads", "head dim", "bytes/w",
+                "KV KiB/token"):
+        table.add_column(col)
+    for m in DEFAULT_CATALOG.models:
+        table.add_row(m.name, f"{m.params / 1e9:.1f}B", str(m.layers), str(m.hidden),
+                      str(m.kv_heads), str(m.head_dim), f"{m.bytes_per_weight:g}",
+                      f"{m.kv_bytes_per_token / 1024:.0f}")
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tailguard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("sim", help="simulate a scenario with one or more routing policies")
+    p.add_argument("scenario")
+    p.add_argument("--policies", help="comma-separated policy names (default: the scenario's)")
+    p.add_argument("--json", help="write the result document here")
+    p.add_argument("--seed", type=int)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--load", type=float, help="offered load as a fraction of the capacity bound")
+    g.add_argument("--rate", type=float, help="offered rate in requests/s")
+    p.add_argument("--duration", type=float, help="seconds of arrivals")
+    p.add_argument("--find-goodput", action="store_true",
+                   help="also search the highest rate meeting the attainment target")
+    p.add_argument("--attainment", type=float, help="target for --find-goodput (default 0.99)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("capacity", help="each node's SLO capacity and the fleet's bound")
+    p.add_argument("scenario")
+    p.add_argument("--json")
+    p.set_defaults(func=cmd_capacity)
+
+    # Commands that live with their subsystem: each module has add_parser(sub).
+    import importlib
+
+    for module in ("tailguard.gateway.cli", "tailguard.emulator.cli", "tailguard.bench.cli",
+                   "tailguard.demo"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            continue
+        mod.add_parser(sub)
+
+    p = sub.add_parser("gpus", help="list the GPU catalog")
+    p.set_defaults(func=cmd_gpus)
+    p = sub.add_parser("models", help="list the model catalog")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as exc:
+        print(f"tailguard: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

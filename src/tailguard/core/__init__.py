@@ -1,0 +1,1 @@
+"""The sans-IO decision core: no sockets, no clocks, no global randomness."""

@@ -1,0 +1,302 @@
+"""The balancer: the one facade both drivers (gateway and simulator) call.
+
+Events in, decisions out::
+
+    ticket = balancer.pick("llama-3.1-8b", prompt_tokens=812, max_tokens=256, now=t)
+    ...                                  # the driver sends the request to ticket.node_id
+    balancer.on_first_token(ticket, now=t1)
+    balancer.on_finish(ticket, now=t2, outcome=Outcome.OK, output_tokens=143)
+    events = balancer.tick(now)          # periodic: estimates, detection, state changes
+
+A :class:`Ticket` is the request's permit on its node: it is released exactly
+once (``on_finish`` a second time is ignored and counted), whatever the ending
+(success, upstream error, timeout, client disconnect). Pools are keyed by the
+model name clients send; each has its own policy and SLO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from random import Random
+from typing import Any
+
+from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
+from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
+from tailguard.errors import ConfigError
+
+# When the pool's model (or a node's GPU) is not in the catalog, the prior has
+# the shape of these and the node's measured speed corrects its scale.
+FALLBACK_MODEL = "llama-3.1-8b"
+FALLBACK_GPU = "L40S"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """One pool: the nodes serving a model name, with its policy and SLO."""
+
+    name: str
+    policy: str = DEFAULT_POLICY
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    slo: Slo = field(default_factory=Slo)
+    catalog_model: str | None = None  # the catalog entry for the roofline prior
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something the core decided or noticed, for logs, metrics and reports."""
+
+    t: float
+    node: str
+    kind: str  # "state" (a state change) or "detect" (a detection without a change)
+    state: str
+    reason: str
+
+
+class Ticket:
+    """A dispatched request's permit on a node, and what is measured about it."""
+
+    __slots__ = (
+        "ahead_tokens",
+        "batch_at_dispatch",
+        "batch_at_first",
+        "node",
+        "pool",
+        "prompt_tokens",
+        "released",
+        "t_dispatch",
+        "t_first",
+    )
+
+    def __init__(self, node: Node, pool: Pool, prompt_tokens: int, now: float) -> None:
+        self.node = node
+        self.pool = pool
+        self.prompt_tokens = prompt_tokens
+        self.t_dispatch = now
+        self.t_first = -1.0
+        self.ahead_tokens = node.prefill_backlog
+        self.batch_at_dispatch = node.in_flight + 1
+        self.batch_at_first = 0
+        self.released = False
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id
+
+
+class Pool:
+    """Live state of one pool: its nodes, policy and request statistics."""
+
+    __slots__ = ("_eligible", "config", "mean_output", "mean_prompt", "name", "nodes", "policy")
+
+    def __init__(self, config: PoolConfig, policy: Policy) -> None:
+        self.config = config
+        self.name = config.name
+        self.policy = policy
+        self.nodes: list[Node] = []
+        self._eligible: list[Node] | None = None
+        # Running means of prompt and answer lengths (answers are only known at
+        # the end, so the policy uses the pool's mean as the expected length).
+        self.mean_prompt = 1000.0
+        self.mean_output = 200.0
+
+    def eligible(self) -> list[Node]:
+        if self._eligible is None:
+            self._eligible = [n for n in self.nodes if n.state.routable]
+        return self._eligible
+
+    def invalidate(self) -> None:
+        self._eligible = None
+
+
+class Balancer:
+    """Routes requests to nodes and keeps the fleet's live accounting."""
+
+    def __init__(
+        self,
+        nodes: Iterable[NodeSpec],
+        pools: Iterable[PoolConfig],
+        rng: Random,
+        catalog: Catalog = DEFAULT_CATALOG,
+        perf_params: PerfParams = DEFAULT_PERF,
+        recorder: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.rng = rng
+        self.catalog = catalog
+        self.perf_params = perf_params
+        self.recorder = recorder
+        self.pools: dict[str, Pool] = {}
+        self.nodes: dict[str, Node] = {}
+        self.double_release = 0  # on_finish for an already released ticket
+        self._order = 0
+        self._last_tick = -1.0
+        for pc in pools:
+            self.add_pool(pc)
+        for spec in nodes:
+            self.add_node(spec)
+
+    # -- fleet management ------------------------------------------------------
+
+    def add_pool(self, config: PoolConfig) -> Pool:
+        policy = make_policy(config.policy, config.slo, config.policy_options,
+                             field=f"pools.{config.name}.policy")
+        pool = Pool(config, policy)
+        self.pools[config.name] = pool
+        return pool
+
+    def pool_for(self, model: str) -> Pool | None:
+        return self.pools.get(model)
+
+    def _prior(self, spec: NodeSpec) -> PerfModel:
+        model = None
+        for name in spec.models:
+            pool = self.pools.get(name)
+            cat_name = pool.config.catalog_model if pool and pool.config.catalog_model else name
+            model = self.catalog.find_model(cat_name)
+            if model is not None:
+                break
+        if model is None:
+            model = self.catalog.model(FALLBACK_MODEL)
+        gpu = spec.gpu or self.catalog.gpu(FALLBACK_GPU)
+        perf = PerfModel(gpu, model, spec.tp, self.perf_params)
+        if not perf.fits:
+            # The engine evidently runs it (quantised, offloaded...): keep the
+            # shape of the prior and let measurements set its scale.
+            perf = PerfModel(gpu, self.catalog.model("llama-3.2-3b"), spec.tp, self.perf_params)
+        return perf
+
+    def add_node(self, spec: NodeSpec) -> Node:
+        if spec.id in self.nodes:
+            raise ConfigError(f"nodes.{spec.id}", "duplicate node id")
+        node = Node(spec, self._prior(spec), self._order)
+        self._order += 1
+        self.nodes[spec.id] = node
+        for name in spec.models:
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = self.add_pool(PoolConfig(name))
+            pool.nodes.append(node)
+            pool.invalidate()
+        return node
+
+    def remove_node(self, node_id: str) -> None:
+        node = self.nodes.pop(node_id)
+        for pool in self.pools.values():
+            if node in pool.nodes:
+                pool.nodes.remove(node)
+                pool.invalidate()
+
+    def set_state(self, node_id: str, state: NodeState) -> None:
+        node = self.nodes[node_id]
+        if node.state is state:
+            return
+        node.state = state
+        for pool in self.pools.values():
+            if node in pool.nodes:
+                pool.invalidate()
+
+    # -- the request path ------------------------------------------------------
+
+    def pick(
+        self,
+        model: str,
+        prompt_tokens: int,
+        now: float,
+        max_tokens: int | None = None,
+        priority: int = 1,
+        exclude: Sequence[str] = (),
+    ) -> Ticket | None:
+        """Choose a node and take a permit on it; None if no node can take it."""
+        pool = self.pools.get(model)
+        if pool is None:
+            return None
+        nodes: Sequence[Node] = pool.eligible()
+        if exclude:
+            nodes = [n for n in nodes if n.id not in exclude]
+        if not nodes:
+            return None
+        req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
+                          priority)
+        node_id = pool.policy.choose(nodes, req, now, self.rng)
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "pick", "model": model, "prompt_tokens": prompt_tokens,
+                           "max_tokens": max_tokens, "priority": priority,
+                           "exclude": list(exclude), "node": node_id})
+        if node_id is None:
+            return None
+        node = self.nodes[node_id]
+        ticket = Ticket(node, pool, prompt_tokens, now)
+        node.in_flight += 1
+        node.prefilling += 1
+        node.prefill_backlog += prompt_tokens
+        node.dispatched_total += 1
+        pool.mean_prompt += (prompt_tokens - pool.mean_prompt) * 0.01
+        return ticket
+
+    def on_first_token(self, ticket: Ticket, now: float) -> None:
+        if ticket.t_first >= 0.0 or ticket.released:
+            return
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "first_token", "node": ticket.node.id})
+        node = ticket.node
+        ticket.t_first = now
+        ticket.batch_at_first = node.in_flight
+        node.prefilling -= 1
+        node.prefill_backlog -= ticket.prompt_tokens
+        node.decoding += 1
+        ttft = now - ticket.t_dispatch
+        node.ttft.update(ttft, now)
+        perf = node.perf
+        p = ticket.prompt_tokens
+        expected = (
+            (ticket.ahead_tokens + p) * (perf.token_flop_s + perf.allreduce_token_s)
+            + perf.attn_flop_s * p * p * 0.5
+            + perf.step_time(ticket.batch_at_dispatch, ticket.batch_at_dispatch * p)
+        )
+        node.capacity.prefill.update(ttft, expected)
+
+    def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int) -> None:
+        """Release the ticket's permit (exactly once) and learn from the request."""
+        if ticket.released:
+            self.double_release += 1
+            return
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "finish", "node": ticket.node.id,
+                           "outcome": outcome.value, "output_tokens": output_tokens})
+        ticket.released = True
+        node = ticket.node
+        node.in_flight -= 1
+        if ticket.t_first < 0.0:
+            node.prefilling -= 1
+            node.prefill_backlog -= ticket.prompt_tokens
+        else:
+            node.decoding -= 1
+        if outcome is not Outcome.OK:
+            return
+        pool = ticket.pool
+        pool.mean_output += (output_tokens - pool.mean_output) * 0.01
+        node.latency.update(now - ticket.t_dispatch, now)
+        if ticket.t_first >= 0.0 and output_tokens >= 2:
+            tpot = (now - ticket.t_first) / (output_tokens - 1)
+            node.tpot.update(tpot, now)
+            batch = max(1, (ticket.batch_at_first + node.in_flight + 1) // 2)
+            ctx = ticket.prompt_tokens + output_tokens * 0.5
+            expected = node.perf.step_time(batch, batch * ctx)
+            node.capacity.decode.update(tpot, expected)
+
+    def on_engine_metrics(
+        self, node_id: str, now: float, running: int, waiting: int, kv_usage: float
+    ) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        node.engine_running = running
+        node.engine_waiting = waiting
+        node.engine_kv_usage = kv_usage
+        node.engine_metrics_at = now
+
+    def tick(self, now: float) -> list[Event]:
+        """Periodic work; returns the events it produced (state changes)."""
+        self._last_tick = now
+        return []

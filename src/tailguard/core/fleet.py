@@ -1,0 +1,167 @@
+"""The fleet: node specs, their live statistics, and the read-only view policies see.
+
+A :class:`Node` is what the decision core knows about one engine replica: its
+hardware (and so its roofline prior), its live load as the gateway counts it
+(dispatched, still prefilling, decoding), what the engine itself reports on
+its ``/metrics`` (running, waiting, KV use), and the latency it has shown
+lately. Both drivers update it only through :class:`tailguard.core.balancer.Balancer`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tailguard.core.estimate import CapacityEstimate, Ewma, PeakEwma
+from tailguard.core.hardware import GPU, PerfModel
+
+
+class Outcome(enum.Enum):
+    """How a request ended, tagged by where the failure came from."""
+
+    OK = "ok"
+    CONNECT_FAILURE = "connect_failure"
+    TIMEOUT = "timeout"
+    UPSTREAM_5XX = "upstream_5xx"
+    UPSTREAM_429 = "upstream_429"
+    CLIENT_CANCELLED = "client_cancelled"
+
+    @property
+    def is_node_failure(self) -> bool:
+        """Failures that say something about the node (not the client)."""
+        return self in (Outcome.CONNECT_FAILURE, Outcome.TIMEOUT, Outcome.UPSTREAM_5XX)
+
+
+class NodeState(enum.Enum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # still routed, with its weight scaled down
+    QUARANTINED = "quarantined"  # no new requests; in-flight ones finish
+    PROBATION = "probation"  # a small canary share, ramping up
+    CORDONED = "cordoned"  # taken out by an operator
+    DRAINING = "draining"  # being removed: no new requests
+
+    @property
+    def routable(self) -> bool:
+        return self in (NodeState.HEALTHY, NodeState.DEGRADED, NodeState.PROBATION)
+
+
+# Static weights of the classic heterogeneous balancer (``seed_weighted``).
+SEED_WEIGHTS: Mapping[str, float] = {"H100": 1.0, "A100": 0.8, "T4": 0.2}
+SEED_DEFAULT_WEIGHT = 0.5
+
+
+def seed_weight(gpu_name: str) -> float:
+    """The baseline's weight by GPU class: H100 1.0, A100 0.8, T4 0.2, else 0.5."""
+    upper = gpu_name.upper()
+    for prefix, w in SEED_WEIGHTS.items():
+        if upper.startswith(prefix) or f" {prefix}" in upper:
+            return w
+    return SEED_DEFAULT_WEIGHT
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """Static description of one engine replica (``tp`` GPUs serving together)."""
+
+    id: str
+    gpu: GPU | None  # None: a GPU the catalog does not know
+    gpu_name: str
+    tp: int = 1
+    models: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    weight: float | None = None  # declared weight, overrides the GPU prior
+    url: str | None = None
+    max_num_seqs: int = 256
+
+    @property
+    def gpu_class(self) -> str:
+        return self.gpu.name if self.gpu else self.gpu_name
+
+    @property
+    def gpu_count(self) -> int:
+        return self.tp
+
+
+class NodeView(Protocol):
+    """What a routing policy may read about a node. Never written by a policy."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def spec(self) -> NodeSpec: ...
+    @property
+    def perf(self) -> PerfModel: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def prefilling(self) -> int: ...
+    @property
+    def prefill_backlog(self) -> int: ...
+    @property
+    def decoding(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def weight_scale(self) -> float: ...
+    @property
+    def capacity(self) -> CapacityEstimate: ...
+    @property
+    def latency(self) -> PeakEwma: ...
+    @property
+    def engine_waiting(self) -> int: ...
+
+
+class Node:
+    """Live state of one node. Mutated only by the balancer."""
+
+    __slots__ = (
+        "capacity",
+        "decoding",
+        "dispatched_total",
+        "engine_kv_usage",
+        "engine_metrics_at",
+        "engine_running",
+        "engine_waiting",
+        "id",
+        "in_flight",
+        "latency",
+        "order",
+        "out_tokens_per_s",
+        "perf",
+        "prefill_backlog",
+        "prefilling",
+        "slots",
+        "spec",
+        "state",
+        "tpot",
+        "ttft",
+        "weight_scale",
+    )
+
+    def __init__(self, spec: NodeSpec, perf: PerfModel, order: int = 0) -> None:
+        self.spec = spec
+        self.id = spec.id
+        self.perf = perf
+        self.order = order  # registration order: ties go to the earliest
+        self.state = NodeState.HEALTHY
+        self.weight_scale = 1.0
+        self.slots = spec.max_num_seqs
+        self.in_flight = 0
+        self.prefilling = 0
+        self.prefill_backlog = 0
+        self.decoding = 0
+        self.dispatched_total = 0
+        self.capacity = CapacityEstimate()
+        self.latency = PeakEwma(tau=10.0)
+        self.ttft = Ewma(tau=10.0)
+        self.tpot = Ewma(tau=10.0)
+        self.out_tokens_per_s = Ewma(tau=10.0)
+        self.engine_running = -1  # -1: not reported (yet)
+        self.engine_waiting = -1
+        self.engine_kv_usage = -1.0
+        self.engine_metrics_at = -1.0
+
+    def __repr__(self) -> str:
+        return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -1,0 +1,51 @@
+"""Routing policies: one small class each, chosen by name from one registry."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tailguard.core.policies.base import Policy, RequestInfo, Slo
+from tailguard.core.policies.least_request import LeastRequest
+from tailguard.core.policies.p2c import PowerOfTwo
+from tailguard.core.policies.peak_ewma import PeakEwmaP2C
+from tailguard.core.policies.random_choice import RandomChoice
+from tailguard.core.policies.round_robin import RoundRobin
+from tailguard.core.policies.seed_weighted import SeedWeighted
+from tailguard.core.policies.tailguard import TailguardPolicy
+from tailguard.errors import ConfigError
+
+REGISTRY: dict[str, type[Any]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        RandomChoice,
+        LeastRequest,
+        PowerOfTwo,
+        PeakEwmaP2C,
+        SeedWeighted,
+        TailguardPolicy,
+    )
+}
+
+DEFAULT_POLICY = TailguardPolicy.name
+
+
+def policy_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def make_policy(
+    name: str, slo: Slo | None = None, options: Mapping[str, Any] | None = None, field: str = "policy"
+) -> Policy:
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ConfigError(field, f"unknown policy {name!r}", policy_names())
+    try:
+        policy: Policy = cls(slo or Slo(), options or {})
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from exc
+    return policy
+
+
+__all__ = ["DEFAULT_POLICY", "REGISTRY", "Policy", "RequestInfo", "Slo", "make_policy", "policy_names"]

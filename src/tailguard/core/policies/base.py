@@ -1,0 +1,55 @@
+"""What every routing policy sees and returns.
+
+A policy is a small object with one method, :meth:`Policy.choose`: given the
+eligible nodes (read-only views), the request, ``now`` and an injected
+``random.Random``, it returns the id of the node to use, or ``None`` when it
+declines all of them. It never builds driver objects and never mutates a node;
+the balancer does the bookkeeping (dispatch and completion counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from random import Random
+from typing import Any, Protocol
+
+from tailguard.core.fleet import NodeView
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Service-level objectives of a pool: time to first token and time per output token."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.10
+    attainment: float = 0.99
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the core knows about a request when it routes it.
+
+    ``expected_output`` and ``mean_prompt`` come from the pool's running
+    statistics (the gateway does not know how long an answer will be);
+    ``max_tokens`` is the client's cap when it gave one.
+    """
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None = None
+    expected_output: float = 200.0
+    mean_prompt: float = 1000.0
+    priority: int = 1  # 0 high, 1 normal, 2 low
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(
+        self, nodes: Sequence[NodeView], req: RequestInfo, now: float, rng: Random
+    ) -> str | None: ...
+
+
+class PolicyFactory(Protocol):
+    def __call__(self, slo: Slo, options: Mapping[str, Any]) -> Policy: ...

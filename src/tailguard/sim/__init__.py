@@ -1,0 +1,1 @@
+"""Discrete-event simulator: workload generators, event loop, faults and reports."""

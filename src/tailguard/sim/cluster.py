@@ -1,0 +1,289 @@
+"""The discrete-event simulator: a fleet of engine models driven by the decision core.
+
+One heap of events ordered by ``(time, sequence number)``: the sequence number
+is the deterministic tie-break, so the same seed gives the same run, byte for
+byte. Events are arrivals, submissions reaching an engine (after half the
+network round trip), engine wake-ups (an engine reports the next moment it
+needs attention; stale wake-ups are skipped by a version counter), deliveries
+of first tokens and finishes back to the gateway, fault changes and the
+balancer's periodic tick.
+
+The gateway side is the real :class:`tailguard.core.balancer.Balancer`, the
+same object the live gateway drives, and it is told only what a gateway would
+see: prompt length at arrival, the first token, the finish with its outcome.
+Like the gateway, the simulated gateway retries a request that failed before
+its first token on another node (once), and never after.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tailguard.core.balancer import Balancer, Event, PoolConfig, Ticket
+from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.policies import Slo
+from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine
+from tailguard.sim.scenario import Fault, NodePlan
+
+# Event kinds, in the order they win a tie at the same instant... by sequence.
+_ARRIVE, _SUBMIT, _ENGINE, _FIRST, _FINISH, _FAIL, _FAULT, _TICK = range(8)
+
+# Request status codes in the result arrays.
+OK, FAILED_STATUS, UNFINISHED = 0, 1, 2
+
+MAX_ATTEMPTS = 2  # the first try and one retry on another node
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """Per-request outcome arrays of one run (index = request id)."""
+
+    arrival: list[float]
+    prompt: list[int]
+    output: list[int]
+    node: list[int]
+    first: list[float]
+    end: list[float]
+    status: list[int]
+    node_ids: list[str]
+    events: list[Event] = field(default_factory=list)
+    retries: int = 0
+    end_time: float = 0.0
+
+
+class _NodeSim:
+    __slots__ = ("base_speed", "crashed", "delay", "engine", "error_rate", "index", "plan",
+                 "scheduled", "version")
+
+    def __init__(self, index: int, plan: NodePlan, step_by_step: bool) -> None:
+        self.index = index
+        self.plan = plan
+        self.engine = Engine(plan.perf, plan.engine, speed=plan.speed, step_by_step=step_by_step)
+        self.base_speed = plan.speed
+        self.version = 0
+        self.scheduled = math.inf
+        self.crashed = False
+        self.error_rate = 0.0
+        self.delay = 0.0  # extra one-way network delay (slow_network fault)
+
+
+def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
+    return [
+        NodeSpec(id=p.id, gpu=p.perf.gpu, gpu_name=p.perf.gpu.name, tp=p.perf.tp, models=(model,),
+                 max_num_seqs=p.engine.max_num_seqs)
+        for p in plans
+    ]
+
+
+def run_cluster(
+    plans: Sequence[NodePlan],
+    model: str,
+    arrivals: Sequence[float],
+    prompts: Sequence[int],
+    outputs: Sequence[int],
+    *,
+    policy: str,
+    policy_options: dict[str, object] | None = None,
+    slo: Slo,
+    seed: int,
+    network_rtt_s: float = 0.0,
+    faults: Sequence[Fault] = (),
+    horizon_s: float = math.inf,
+    tick_s: float = 1.0,
+    step_by_step: bool = False,
+    progress: Callable[[float], None] | None = None,
+) -> RunRecord:
+    """Simulate one policy on one fleet for one request list; return per-request outcomes."""
+    n_req = len(arrivals)
+    rng = random.Random(f"{seed}:{policy}:route")
+    fault_rng = random.Random(f"{seed}:faults")
+    balancer = Balancer(node_specs(plans, model),
+                        [PoolConfig(model, policy, dict(policy_options or {}), slo)], rng)
+    nodes = [_NodeSim(i, p, step_by_step) for i, p in enumerate(plans)]
+    by_id = {p.id: i for i, p in enumerate(plans)}
+    rec = RunRecord(
+        arrival=list(arrivals), prompt=list(prompts), output=list(outputs),
+        node=[-1] * n_req, first=[-1.0] * n_req, end=[-1.0] * n_req,
+        status=[UNFINISHED] * n_req, node_ids=[p.id for p in plans],
+    )
+    tickets: list[Ticket | None] = [None] * n_req
+    attempts = [0] * n_req
+    half_rtt = network_rtt_s / 2.0
+
+    heap: list[tuple[float, int, int, int, int]] = []
+    push = heapq.heappush
+    pop = heapq.heappop
+    seq = 0
+
+    for fi, f in enumerate(faults):
+        push(heap, (f.at_s, seq, _FAULT, fi, 0))
+        seq += 1
+        if f.kind == "stall":
+            end = f.at_s + (f.duration_s if f.duration_s is not None else horizon_s)
+            t, k = f.at_s + f.period_s, 1
+            while t < end and t < horizon_s:
+                push(heap, (t, seq, _FAULT, fi, 0))
+                seq += 1
+                k += 1
+                t = f.at_s + k * f.period_s
+        elif f.duration_s is not None:
+            push(heap, (f.at_s + f.duration_s, seq, _FAULT, fi, 1))
+            seq += 1
+    if n_req:
+        push(heap, (arrivals[0], seq, _ARRIVE, 0, 0))
+        seq += 1
+    push(heap, (tick_s, seq, _TICK, 0, 0))
+    seq += 1
+
+    arrival_times = rec.arrival
+    first = rec.first
+    end_t = rec.end
+    status = rec.status
+    out_tokens = rec.output
+    model_name = model
+    outstanding = n_req
+    next_progress = 0.0
+    now = 0.0
+
+    def reschedule(ns: _NodeSim) -> None:
+        nonlocal seq
+        t = ns.engine.next_event_time()
+        if t != ns.scheduled:
+            ns.scheduled = t
+            ns.version += 1
+            if t < math.inf:
+                push(heap, (t, seq, _ENGINE, ns.index, ns.version))
+                seq += 1
+
+    def dispatch(rid: int, t: float) -> None:
+        """Route request ``rid`` at time ``t`` (first try or retry)."""
+        nonlocal seq, outstanding
+        exclude: tuple[str, ...] = ()
+        old = tickets[rid]
+        if old is not None:
+            exclude = (old.node.id,)
+        ticket = balancer.pick(model_name, rec.prompt[rid], t, exclude=exclude)
+        attempts[rid] += 1
+        if ticket is None:
+            status[rid] = FAILED_STATUS
+            end_t[rid] = t
+            outstanding -= 1
+            return
+        tickets[rid] = ticket
+        ni = by_id[ticket.node.id]
+        rec.node[rid] = ni
+        ns = nodes[ni]
+        if ns.crashed:
+            push(heap, (t + half_rtt * 2 + ns.delay * 2, seq, _FAIL, rid, 0))
+            seq += 1
+            return
+        if ns.error_rate > 0.0 and fault_rng.random() < ns.error_rate:
+            push(heap, (t + half_rtt * 2 + ns.delay * 2, seq, _FAIL, rid, 1))
+            seq += 1
+            return
+        push(heap, (t + half_rtt + ns.delay, seq, _SUBMIT, rid, ni))
+        seq += 1
+
+    def fail(rid: int, t: float, outcome: Outcome) -> None:
+        nonlocal outstanding
+        ticket = tickets[rid]
+        if ticket is None or ticket.released:
+            return
+        balancer.on_finish(ticket, t, outcome, 0)
+        if first[rid] < 0.0 and attempts[rid] < MAX_ATTEMPTS:
+            rec.retries += 1
+            dispatch(rid, t)
+            return
+        status[rid] = FAILED_STATUS
+        end_t[rid] = t
+        outstanding -= 1
+
+    while heap:
+        now, _, kind, a, b = pop(heap)
+        if now > horizon_s:
+            break
+        if kind == _ENGINE:
+            ns = nodes[a]
+            if b != ns.version:
+                continue
+            ns.scheduled = math.inf
+            delay = half_rtt + ns.delay
+            for t_ev, ev_kind, rid in ns.engine.advance(now):
+                if ev_kind == FIRST_TOKEN:
+                    push(heap, (t_ev + delay, seq, _FIRST, rid, 0))
+                elif ev_kind == FINISH:
+                    push(heap, (t_ev + delay, seq, _FINISH, rid, 0))
+                else:
+                    push(heap, (t_ev + delay, seq, _FAIL, rid, 2))
+                seq += 1
+            reschedule(ns)
+        elif kind == _ARRIVE:
+            if a + 1 < n_req:
+                push(heap, (arrival_times[a + 1], seq, _ARRIVE, a + 1, 0))
+                seq += 1
+            dispatch(a, now)
+            if progress is not None and now >= next_progress:
+                progress(now)
+                next_progress = now + 10.0
+        elif kind == _SUBMIT:
+            ns = nodes[b]
+            if ns.crashed:
+                fail(a, now + half_rtt + ns.delay, Outcome.CONNECT_FAILURE)
+                continue
+            ns.engine.submit(a, rec.prompt[a], out_tokens[a], now)
+            reschedule(ns)
+        elif kind == _FIRST:
+            ticket = tickets[a]
+            if ticket is not None and not ticket.released and first[a] < 0.0:
+                first[a] = now
+                balancer.on_first_token(ticket, now)
+        elif kind == _FINISH:
+            ticket = tickets[a]
+            if ticket is not None and not ticket.released:
+                if first[a] < 0.0:  # a one-token answer: first token and finish together
+                    first[a] = now
+                    balancer.on_first_token(ticket, now)
+                balancer.on_finish(ticket, now, Outcome.OK, out_tokens[a])
+                status[a] = OK
+                end_t[a] = now
+                outstanding -= 1
+        elif kind == _FAIL:
+            fail(a, now, Outcome.CONNECT_FAILURE if b == 0 else Outcome.UPSTREAM_5XX)
+        elif kind == _FAULT:
+            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, fail)
+            reschedule(nodes[by_id[faults[a].node]])
+        else:  # _TICK
+            rec.events.extend(balancer.tick(now))
+            if outstanding > 0:
+                push(heap, (now + tick_s, seq, _TICK, 0, 0))
+                seq += 1
+    rec.end_time = now
+    return rec
+
+
+def _apply_fault(
+    f: Fault, ending: bool, ns: _NodeSim, now: float,
+    fail: Callable[[int, float, Outcome], None],
+) -> None:
+    eng = ns.engine
+    if f.kind == "throttle":
+        eng.set_speed(ns.base_speed if ending else ns.base_speed * f.factor, now)
+    elif f.kind == "stall":
+        if not ending:
+            eng.stall(f.pause_s, now)
+    elif f.kind == "crash":
+        if ending:
+            ns.crashed = False
+            eng.restart(now)
+        else:
+            ns.crashed = True
+            for t_ev, _, rid in eng.crash(now):
+                fail(rid, t_ev, Outcome.CONNECT_FAILURE)
+    elif f.kind == "error_rate":
+        ns.error_rate = 0.0 if ending else f.rate
+    elif f.kind == "slow_network":
+        ns.delay = 0.0 if ending else f.delay_s

@@ -1,0 +1,157 @@
+"""Run a scenario: resolve the rate, generate the workload, simulate each policy.
+
+Every policy sees the same requests (same arrival times and lengths, drawn from
+the scenario seed), so differences between policies are the policies'.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tailguard.errors import ConfigError
+from tailguard.sim.capacity import fleet_capacity
+from tailguard.sim.cluster import run_cluster
+from tailguard.sim.results import compute_result
+from tailguard.sim.scenario import PolicyChoice, Scenario
+from tailguard.sim.workload import Requests, generate
+
+Progress = Callable[[str, float, float], None]  # (label, sim time, horizon)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    rate: float | None = None  # overrides the scenario's arrival rate or load
+    load: float | None = None
+    duration_s: float | None = None
+    seed: int | None = None
+    find_goodput: bool = False
+    attainment: float | None = None  # target for --find-goodput (default: the SLO's)
+    drain_s: float | None = None  # how long after the last arrival to let requests finish
+
+
+def with_options(scn: Scenario, opts: RunOptions) -> Scenario:
+    if opts.seed is not None:
+        scn = replace(scn, seed=opts.seed)
+    wl = scn.workload
+    if opts.duration_s is not None:
+        if opts.duration_s <= 0:
+            raise ConfigError("--duration", "must be > 0")
+        wl = replace(wl, duration_s=opts.duration_s, warmup_s=min(wl.warmup_s, opts.duration_s / 4))
+    if opts.rate is not None or opts.load is not None:
+        value = opts.rate if opts.rate is not None else opts.load
+        if value is None or value <= 0:
+            raise ConfigError("--rate" if opts.rate is not None else "--load", "must be > 0")
+        if wl.arrival.process == "trace" and opts.rate is not None:
+            raise ConfigError("--rate", "a trace sets its own arrival times")
+        wl = replace(wl, arrival=replace(wl.arrival, rate=opts.rate, load=opts.load))
+    return replace(scn, workload=wl)
+
+
+def offered_rate(scn: Scenario, capacity_bound: float) -> float | None:
+    arr = scn.workload.arrival
+    if arr.rate is not None:
+        return arr.rate
+    if arr.load is not None:
+        return arr.load * capacity_bound
+    return None
+
+
+def make_requests(scn: Scenario, rate: float | None) -> Requests:
+    return generate(scn.workload, rate, random.Random(f"{scn.seed}:workload"))
+
+
+def run_policy(
+    scn: Scenario,
+    choice: PolicyChoice,
+    reqs: Requests,
+    capacity: dict[str, float],
+    offered: float,
+    drain_s: float | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    plans = scn.nodes()
+    wl = scn.workload
+    drain = drain_s if drain_s is not None else max(120.0, 0.5 * wl.duration_s)
+    last = reqs.arrival_s[-1] if len(reqs) else 0.0
+    horizon = max(wl.duration_s, last) + drain
+    cb = None
+    if progress is not None:
+        def cb(t: float) -> None:
+            progress(choice.label, t, wl.duration_s)
+    rec = run_cluster(
+        plans, scn.model, reqs.arrival_s, reqs.input_tokens, reqs.output_tokens,
+        policy=choice.name, policy_options=dict(choice.options), slo=scn.slo, seed=scn.seed,
+        network_rtt_s=scn.network_rtt_s, faults=scn.faults, horizon_s=horizon, progress=cb,
+    )
+    gpu_of = {p.id: p.perf.gpu.name for p in plans}
+    by_gpu: dict[str, float] = {}
+    for p in plans:
+        by_gpu.setdefault(p.perf.gpu.name, capacity[p.id])
+    return compute_result(rec, slo=scn.slo, warmup_s=wl.warmup_s, duration_s=wl.duration_s,
+                          offered_rps=offered, gpu_of=gpu_of, capacity_by_gpu=by_gpu)
+
+
+def find_goodput(
+    scn: Scenario, choice: PolicyChoice, capacity: dict[str, float], bound: float, target: float,
+    progress: Progress | None = None, iterations: int = 7,
+) -> float:
+    """Highest offered rate (req/s) whose SLO attainment reaches ``target`` (bisection)."""
+
+    def ok(rate: float) -> bool:
+        s = replace(scn, workload=replace(scn.workload, arrival=replace(
+            scn.workload.arrival, rate=rate, load=None)))
+        res = run_policy(s, choice, make_requests(s, rate), capacity, rate, progress=progress)
+        return bool(res["slo_attainment"] >= target)
+
+    lo, hi = 0.0, bound
+    while ok(hi):
+        lo, hi = hi, hi * 1.5
+    if lo == 0.0:
+        lo = hi / 4
+        while not ok(lo) and lo > bound * 1e-3:
+            hi, lo = lo, lo / 2
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def simulate(
+    scn: Scenario,
+    policies: Sequence[PolicyChoice] | None = None,
+    opts: RunOptions = RunOptions(),
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Run every policy on the scenario; return the ``--json`` document."""
+    scn = with_options(scn, opts)
+    capacity = fleet_capacity(scn)
+    bound = sum(capacity.values())
+    rate = offered_rate(scn, bound)
+    if rate is not None and rate <= 0:
+        raise ConfigError("workload.arrival", "the fleet has no SLO capacity for this workload")
+    reqs = make_requests(scn, rate)
+    offered = rate if rate is not None else len(reqs) / max(scn.workload.duration_s, 1e-9)
+    results: dict[str, Any] = {}
+    for choice in policies or scn.policies:
+        res = run_policy(scn, choice, reqs, capacity, offered, opts.drain_s, progress)
+        if opts.find_goodput:
+            target = opts.attainment if opts.attainment is not None else scn.slo.attainment
+            res["max_goodput_rps"] = round(
+                find_goodput(scn, choice, capacity, bound, target, progress), 6)
+        results[choice.label] = res
+    return {
+        "scenario": scn.name,
+        "seed": scn.seed,
+        "model": scn.model,
+        "slo": {"ttft_s": scn.slo.ttft_s, "tpot_s": scn.slo.tpot_s,
+                "attainment": scn.slo.attainment},
+        "capacity_bound_rps": round(bound, 6),
+        "node_capacity_rps": {k: round(v, 6) for k, v in capacity.items()},
+        "results": results,
+    }

@@ -1,0 +1,322 @@
+"""Scenario files: what fleet, what workload, which faults, which policies.
+
+A scenario is YAML (see README "Scenario format")::
+
+    name: mixed
+    seed: 7
+    model: llama-3.1-8b
+    slo: {ttft_s: 2.0, tpot_s: 0.10}
+    network_rtt_s: 0.001
+    fleet:
+      - {gpu: H100-SXM, count: 2}
+      - {gpu: A100-80GB, count: 4, tp: 1, engine: {max_num_seqs: 128, max_num_batched_tokens: 4096}}
+    workload: {duration_s: 600, warmup_s: 60, arrival: {process: poisson, load: 0.8}, ...}
+    faults:
+      - {node: "L4#3", kind: throttle, factor: 0.4, at_s: 120, duration_s: 300}
+    policies: [round_robin, least_request, seed_weighted, tailguard]
+
+Every value is checked; an error names the field and the allowed values and
+is raised as :class:`tailguard.errors.ConfigError`. Node ids are ``GPU#i``,
+numbered per GPU type from 0 in fleet order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfModel
+from tailguard.core.policies import Slo, policy_names
+from tailguard.engine import EngineConfig
+from tailguard.errors import ConfigError
+from tailguard.sim.workload import WorkloadSpec, parse_workload
+
+FAULT_KINDS = ("throttle", "stall", "crash", "error_rate", "slow_network")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetGroup:
+    gpu: str
+    count: int
+    tp: int
+    engine: EngineConfig
+    speed_spread: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One simulated node: its id, hardware, engine settings and base speed."""
+
+    id: str
+    group: int
+    perf: PerfModel
+    engine: EngineConfig
+    speed: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    node: str
+    kind: str
+    at_s: float
+    duration_s: float | None = None
+    factor: float = 1.0  # throttle: speed factor
+    rate: float = 0.0  # error_rate: share of requests failed
+    period_s: float = 10.0  # stall: a pause every period
+    pause_s: float = 1.0  # stall: length of each pause
+    delay_s: float = 0.0  # slow_network: one-way delay added
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyChoice:
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if not self.options:
+            return self.name
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.name}[{opts}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    seed: int
+    model: str
+    slo: Slo
+    network_rtt_s: float
+    fleet: tuple[FleetGroup, ...]
+    workload: WorkloadSpec
+    faults: tuple[Fault, ...]
+    policies: tuple[PolicyChoice, ...]
+    catalog: Catalog = DEFAULT_CATALOG
+
+    def nodes(self) -> list[NodePlan]:
+        """The fleet expanded to nodes with ids ``GPU#i``; speeds drawn from the seed."""
+        import random
+
+        rng = random.Random(f"{self.seed}:speed")
+        counters: dict[str, int] = {}
+        out: list[NodePlan] = []
+        model = self.catalog.model(self.model)
+        for gi, g in enumerate(self.fleet):
+            gpu = self.catalog.gpu(g.gpu)
+            perf = PerfModel(gpu, model, g.tp)
+            for _ in range(g.count):
+                i = counters.get(gpu.name, 0)
+                counters[gpu.name] = i + 1
+                speed = 1.0
+                if g.speed_spread > 0:
+                    speed = 1.0 + rng.uniform(-g.speed_spread, g.speed_spread)
+                out.append(NodePlan(f"{gpu.name}#{i}", gi, perf, g.engine, speed))
+        return out
+
+
+def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where, f"must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{where}.{key}" if where else str(key), "unknown key", list(allowed))
+
+
+def number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None,
+           positive: bool = True, minimum: float | None = None) -> float:
+    if key not in raw or raw[key] is None:
+        if default is None:
+            raise ConfigError(f"{where}.{key}", "is required")
+        return default
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}.{key}", f"must be a number, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(f"{where}.{key}", f"must be > 0, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}.{key}", f"must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = None,
+            minimum: int = 1) -> int:
+    if key not in raw or raw[key] is None:
+        if default is None:
+            raise ConfigError(f"{where}.{key}", "is required")
+        return default
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}.{key}", f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{where}.{key}", f"must be >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_slo(raw: Any, where: str = "slo") -> Slo:
+    m = _mapping(raw, where)
+    _check_keys(m, ("ttft_s", "tpot_s", "attainment"), where)
+    att = number(m, "attainment", where, 0.99)
+    if att > 1.0:
+        raise ConfigError(f"{where}.attainment", "must be in (0, 1]")
+    return Slo(number(m, "ttft_s", where, 2.0), number(m, "tpot_s", where, 0.10), att)
+
+
+def parse_engine(raw: Any, where: str) -> EngineConfig:
+    if raw is None:
+        return EngineConfig()
+    m = _mapping(raw, where)
+    _check_keys(m, ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                    "kv_capacity_tokens", "block_size"), where)
+    base = EngineConfig()
+    chunked = m.get("enable_chunked_prefill", base.enable_chunked_prefill)
+    if not isinstance(chunked, bool):
+        raise ConfigError(f"{where}.enable_chunked_prefill", "must be true or false")
+    kv = m.get("kv_capacity_tokens")
+    return EngineConfig(
+        max_num_seqs=integer(m, "max_num_seqs", where, base.max_num_seqs),
+        max_num_batched_tokens=integer(m, "max_num_batched_tokens", where,
+                                       base.max_num_batched_tokens),
+        enable_chunked_prefill=chunked,
+        kv_capacity_tokens=integer(m, "kv_capacity_tokens", where) if kv is not None else None,
+        block_size=integer(m, "block_size", where, base.block_size),
+    )
+
+
+def parse_policies(raw: Any, where: str = "policies") -> tuple[PolicyChoice, ...]:
+    if raw is None:
+        return (PolicyChoice("tailguard"),)
+    if isinstance(raw, str):
+        raw = [p.strip() for p in raw.split(",") if p.strip()]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(where, "must be a non-empty list of policy names", policy_names())
+    out = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            name, options = item, {}
+        elif isinstance(item, Mapping) and "name" in item:
+            name = str(item["name"])
+            options = {k: v for k, v in item.items() if k != "name"}
+        else:
+            raise ConfigError(f"{where}[{i}]", "must be a policy name or {name: ..., options}",
+                              policy_names())
+        if name not in policy_names():
+            raise ConfigError(f"{where}[{i}]", f"unknown policy {name!r}", policy_names())
+        out.append(PolicyChoice(name, options))
+    return tuple(out)
+
+
+def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tuple[Fault, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(where, "must be a list")
+    out = []
+    for i, item in enumerate(raw):
+        w = f"{where}[{i}]"
+        m = _mapping(item, w)
+        _check_keys(m, ("node", "kind", "at_s", "duration_s", "factor", "rate", "period_s",
+                        "pause_s", "delay_s"), w)
+        node = m.get("node")
+        if node not in node_ids:
+            shown = list(node_ids) if len(node_ids) <= 40 else [*node_ids[:40], "..."]
+            raise ConfigError(f"{w}.node", f"unknown node {node!r}", shown)
+        kind = m.get("kind")
+        if kind not in FAULT_KINDS:
+            raise ConfigError(f"{w}.kind", f"unknown fault kind {kind!r}", list(FAULT_KINDS))
+        fault = Fault(
+            node=str(node),
+            kind=str(kind),
+            at_s=number(m, "at_s", w, 0.0, positive=False, minimum=0.0),
+            duration_s=number(m, "duration_s", w) if m.get("duration_s") is not None else None,
+            factor=number(m, "factor", w, 1.0),
+            rate=number(m, "rate", w, 0.0, positive=False, minimum=0.0),
+            period_s=number(m, "period_s", w, 10.0),
+            pause_s=number(m, "pause_s", w, 1.0),
+            delay_s=number(m, "delay_s", w, 0.0, positive=False, minimum=0.0),
+        )
+        if kind == "throttle" and "factor" not in m:
+            raise ConfigError(f"{w}.factor", "is required for a throttle (speed factor, e.g. 0.4)")
+        if kind == "error_rate" and not 0.0 < fault.rate <= 1.0:
+            raise ConfigError(f"{w}.rate", "must be in (0, 1] for error_rate")
+        if kind == "slow_network" and fault.delay_s <= 0:
+            raise ConfigError(f"{w}.delay_s", "must be > 0 for slow_network")
+        out.append(fault)
+    return tuple(out)
+
+
+SCENARIO_KEYS = ("name", "seed", "model", "slo", "network_rtt_s", "fleet", "workload", "faults",
+                 "policies", "catalog", "prices")
+
+
+def parse_scenario(raw: Any, base_dir: Path | None = None,
+                   catalog: Catalog = DEFAULT_CATALOG) -> Scenario:
+    m = _mapping(raw, "scenario")
+    _check_keys(m, SCENARIO_KEYS, "")
+    if "catalog" in m:
+        catalog = catalog.extend(_mapping(m["catalog"], "catalog"))
+    if "prices" in m:
+        catalog = catalog.with_prices(_mapping(m["prices"], "prices"))
+    name = str(m.get("name", "scenario"))
+    seed = m.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError("seed", f"must be an integer, got {seed!r}")
+    if "model" not in m:
+        raise ConfigError("model", "is required", [x.name for x in catalog.models])
+    model = catalog.model(str(m["model"]), "model")
+    slo = parse_slo(m.get("slo", {}))
+    rtt = number(m, "network_rtt_s", "", 0.0, positive=False, minimum=0.0)
+    fleet_raw = m.get("fleet")
+    if not isinstance(fleet_raw, list) or not fleet_raw:
+        raise ConfigError("fleet", "must be a non-empty list of {gpu, count}")
+    groups = []
+    for i, item in enumerate(fleet_raw):
+        w = f"fleet[{i}]"
+        g = _mapping(item, w)
+        _check_keys(g, ("gpu", "count", "tp", "engine", "speed_spread"), w)
+        if "gpu" not in g:
+            raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
+        gpu = catalog.gpu(str(g["gpu"]), f"{w}.gpu")
+        tp = integer(g, "tp", w, 1)
+        perf = PerfModel(gpu, model, tp)
+        if not perf.fits:
+            raise ConfigError(
+                f"{w}.gpu",
+                f"{model.name} does not fit on {tp} x {gpu.name} ({gpu.mem_gb:g} GB each): "
+                f"it needs about {perf.memory_needed_gb:.0f} GB per GPU; raise tp or pick a "
+                "larger GPU",
+            )
+        spread = number(g, "speed_spread", w, 0.0, positive=False, minimum=0.0)
+        if spread >= 1.0:
+            raise ConfigError(f"{w}.speed_spread", "must be < 1 (e.g. 0.1 for +-10%)")
+        groups.append(FleetGroup(gpu.name, integer(g, "count", w, 1), tp,
+                                 parse_engine(g.get("engine"), f"{w}.engine"), spread))
+    if "workload" not in m:
+        raise ConfigError("workload", "is required")
+    workload = parse_workload(_mapping(m["workload"], "workload"), "workload", base_dir)
+    scenario = Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, (),
+                        parse_policies(m.get("policies")), catalog)
+    ids = [n.id for n in scenario.nodes()]
+    faults = parse_faults(m.get("faults"), ids)
+    return Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, faults,
+                    scenario.policies, catalog)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read scenario {str(p)!r}: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
+    return parse_scenario(raw, p.parent)
