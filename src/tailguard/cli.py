@@ -83,7 +83,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         doc = simulate(scn, policies, opts, progress)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
-    out = Console()
+    out = Console() if Console().is_terminal else Console(width=160)
     out.print(_sim_table(doc))
     out.print(_per_gpu_table(doc))
     return 0
@@ -105,7 +105,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         table.add_row(nid, p.perf.gpu.name, str(p.perf.tp), str(p.perf.kv_capacity_tokens),
                       f"{rps:.2f}")
     table.add_row("fleet", "", "", "", f"{sum(cap.values()):.2f}", style="bold")
-    Console().print(table)
+    (Console() if Console().is_terminal else Console(width=160)).print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"scenario": scn.name, "capacity_bound_rps": sum(cap.values()),

@@ -1,0 +1,73 @@
+"""The balancer facade: permits released exactly once, accounting, learning."""
+
+from __future__ import annotations
+
+import random
+
+from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG
+
+MODEL = "llama-3.1-8b"
+
+
+def make(n: int = 2, policy: str = "least_request") -> Balancer:
+    specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu("A100"), "A100-80GB", models=(MODEL,))
+             for i in range(n)]
+    return Balancer(specs, [PoolConfig(MODEL, policy)], random.Random(0))
+
+
+def test_accounting_through_a_request_lifecycle() -> None:
+    b = make(1)
+    node = b.nodes["n0"]
+    t = b.pick(MODEL, 700, 0.0)
+    assert t is not None
+    assert (node.in_flight, node.prefilling, node.prefill_backlog, node.decoding) == (1, 1, 700, 0)
+    b.on_first_token(t, 0.2)
+    assert (node.in_flight, node.prefilling, node.prefill_backlog, node.decoding) == (1, 0, 0, 1)
+    b.on_finish(t, 2.0, Outcome.OK, 100)
+    assert (node.in_flight, node.decoding) == (0, 0)
+
+
+def test_permit_released_exactly_once() -> None:
+    b = make(1)
+    t = b.pick(MODEL, 10, 0.0)
+    b.on_finish(t, 0.1, Outcome.CLIENT_CANCELLED, 0)
+    b.on_finish(t, 0.2, Outcome.OK, 5)
+    b.on_first_token(t, 0.3)
+    node = b.nodes["n0"]
+    assert node.in_flight == 0 and node.prefilling == 0 and node.prefill_backlog == 0
+    assert b.double_release == 1
+
+
+def test_unknown_model_and_exclusion() -> None:
+    b = make(2)
+    assert b.pick("nope", 10, 0.0) is None
+    t = b.pick(MODEL, 10, 0.0, exclude=("n0",))
+    assert t is not None and t.node_id == "n1"
+    assert b.pick(MODEL, 10, 0.0, exclude=("n0", "n1")) is None
+
+
+def test_capacity_learns_from_completions() -> None:
+    b = make(1, "tailguard")
+    node = b.nodes["n0"]
+    now = 0.0
+    for _ in range(30):
+        t = b.pick(MODEL, 500, now)
+        expected = node.perf.step_time(1, 1 * (500 + 50))
+        b.on_first_token(t, now + 0.1)
+        # The node decodes three times slower than its roofline prior.
+        b.on_finish(t, now + 0.1 + 99 * expected * 3.0, Outcome.OK, 100)
+        now += 10.0
+    assert 2.5 < node.capacity.decode_slowdown < 3.5
+
+
+def test_recorder_sees_every_input() -> None:
+    seen: list[dict[str, object]] = []
+    specs = [NodeSpec("n0", DEFAULT_CATALOG.gpu("L4"), "L4", models=(MODEL,))]
+    b = Balancer(specs, [PoolConfig(MODEL)], random.Random(0), recorder=seen.append)
+    t = b.pick(MODEL, 10, 0.0)
+    b.on_first_token(t, 0.1)
+    b.on_finish(t, 0.5, Outcome.OK, 3)
+    assert [r["op"] for r in seen] == ["pick", "first_token", "finish"]
+    assert seen[0]["node"] == "n0"

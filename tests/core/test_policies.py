@@ -1,0 +1,109 @@
+"""Routing policies on literal fleets: each one's rule, and never an ineligible node."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.core.policies import make_policy, policy_names
+from tailguard.errors import ConfigError
+
+MODEL = "llama-3.1-8b"
+
+
+def spec(node_id: str, gpu: str) -> NodeSpec:
+    g = DEFAULT_CATALOG.find_gpu(gpu)
+    return NodeSpec(node_id, g, g.name if g else gpu, models=(MODEL,))
+
+
+def balancer(policy: str, gpus: list[str], seed: int = 1) -> Balancer:
+    specs = [spec(f"n{i}", g) for i, g in enumerate(gpus)]
+    return Balancer(specs, [PoolConfig(MODEL, policy)], random.Random(seed))
+
+
+def test_registry_has_every_policy() -> None:
+    assert set(policy_names()) >= {"round_robin", "random", "least_request", "p2c", "peak_ewma",
+                                   "seed_weighted", "tailguard"}
+    with pytest.raises(ConfigError, match="unknown policy"):
+        make_policy("fastest")
+
+
+def test_round_robin_cycles() -> None:
+    b = balancer("round_robin", ["H100", "L4", "T4"])
+    assert [b.pick(MODEL, 100, 0.0).node_id for _ in range(4)] == ["n0", "n1", "n2", "n0"]
+
+
+def test_least_request_prefers_fewest_in_flight_ties_first() -> None:
+    b = balancer("least_request", ["L4", "H100"])
+    t1 = b.pick(MODEL, 100, 0.0)
+    t2 = b.pick(MODEL, 100, 0.0)
+    assert (t1.node_id, t2.node_id) == ("n0", "n1")
+    b.on_finish(t1, 1.0, Outcome.OK, 10)
+    assert b.pick(MODEL, 100, 1.0).node_id == "n0"
+
+
+def test_seed_weighted_is_the_classic_rule() -> None:
+    b = balancer("seed_weighted", ["T4", "A100", "H100", "L4"])
+    picks = [b.pick(MODEL, 100, 0.0) for _ in range(6)]
+    # Scores: idle H100 10; then H100 1.0 vs A100 8 -> A100; then H100 1.0, A100 0.8,
+    # L4 5 (other: 0.5), T4 2 -> L4; then T4 2; then H100 1.0 ...
+    assert [p.node_id for p in picks] == ["n2", "n1", "n3", "n0", "n2", "n1"]
+    # Completion counts load back down (unlike the naive original).
+    b.on_finish(picks[0], 1.0, Outcome.OK, 5)
+    b.on_finish(picks[4], 1.0, Outcome.OK, 5)
+    assert b.pick(MODEL, 100, 1.0).node_id == "n2"
+
+
+def test_tailguard_prefers_fast_gpu_until_it_is_loaded() -> None:
+    b = balancer("tailguard", ["L4", "H100"])
+    picks = [b.pick(MODEL, 1000, 0.0).node_id for _ in range(30)]
+    assert picks[0] == "n1"
+    assert picks.count("n1") > picks.count("n0")
+
+
+def test_tailguard_avoids_a_node_that_measured_slow() -> None:
+    b = balancer("tailguard", ["A100", "A100"])
+    node = b.nodes["n0"]
+    for _ in range(40):
+        node.capacity.decode.update(5.0, 1.0)
+        node.capacity.prefill.update(5.0, 1.0)
+    picks = [b.pick(MODEL, 500, 0.0).node_id for _ in range(10)]
+    assert picks.count("n1") >= 8
+
+
+def test_tailguard_sampling_option() -> None:
+    b = Balancer([spec(f"n{i}", "A100") for i in range(8)],
+                 [PoolConfig(MODEL, "tailguard", {"sample": 2})], random.Random(3))
+    seen = {b.pick(MODEL, 100, 0.0).node_id for _ in range(40)}
+    assert len(seen) >= 4
+    with pytest.raises(ConfigError):
+        make_policy("tailguard", options={"sample": 1})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.sampled_from(sorted(policy_names())),
+    states=st.lists(st.sampled_from(list(NodeState)), min_size=1, max_size=8),
+    seed=st.integers(0, 1000),
+    exclude=st.integers(0, 7),
+)
+def test_never_returns_an_ineligible_node(policy: str, states: list[NodeState], seed: int,
+                                          exclude: int) -> None:
+    gpus = ["H100", "A100", "L4", "T4", "L40S", "H200", "A10G", "V100"]
+    b = balancer(policy, gpus[: len(states)], seed)
+    for i, s in enumerate(states):
+        b.set_state(f"n{i}", s)
+    excluded = (f"n{exclude}",)
+    allowed = {f"n{i}" for i, s in enumerate(states) if s.routable} - set(excluded)
+    for _ in range(5):
+        t = b.pick(MODEL, 300, 0.0, exclude=excluded)
+        if not allowed:
+            assert t is None
+        else:
+            assert t is not None and t.node_id in allowed
