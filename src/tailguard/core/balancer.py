@@ -16,6 +16,7 @@ model name clients send; each has its own policy and SLO.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from random import Random
@@ -24,6 +25,7 @@ from typing import Any
 from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
+from tailguard.core.predict import decode_step_s, prefill_s
 from tailguard.errors import ConfigError
 
 # When the pool's model (or a node's GPU) is not in the catalog, the prior has
@@ -63,6 +65,7 @@ class Ticket:
         "batch_at_first",
         "node",
         "pool",
+        "prefill_mark",
         "prompt_tokens",
         "released",
         "t_dispatch",
@@ -78,6 +81,7 @@ class Ticket:
         self.ahead_tokens = node.prefill_backlog
         self.batch_at_dispatch = node.in_flight + 1
         self.batch_at_first = 0
+        self.prefill_mark = 0
         self.released = False
 
     @property
@@ -230,6 +234,7 @@ class Balancer:
         node.in_flight += 1
         node.prefilling += 1
         node.prefill_backlog += prompt_tokens
+        node.prefill_tokens_total += prompt_tokens
         node.dispatched_total += 1
         pool.mean_prompt += (prompt_tokens - pool.mean_prompt) * 0.01
         return ticket
@@ -242,18 +247,18 @@ class Balancer:
         node = ticket.node
         ticket.t_first = now
         ticket.batch_at_first = node.in_flight
+        ticket.prefill_mark = node.prefill_tokens_total
         node.prefilling -= 1
         node.prefill_backlog -= ticket.prompt_tokens
         node.decoding += 1
         ttft = now - ticket.t_dispatch
         node.ttft.update(ttft, now)
         perf = node.perf
-        p = ticket.prompt_tokens
-        expected = (
-            (ticket.ahead_tokens + p) * (perf.token_flop_s + perf.allreduce_token_s)
-            + perf.attn_flop_s * p * p * 0.5
-            + perf.step_time(ticket.batch_at_dispatch, ticket.batch_at_dispatch * p)
-        )
+        pool = ticket.pool
+        # The same prediction the router made, without the node's learned
+        # corrections, for the conditions the request met at dispatch.
+        step = decode_step_s(perf, ticket.batch_at_dispatch, pool.mean_prompt + pool.mean_output / 2)
+        expected = prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens) + step
         node.capacity.prefill.update(ttft, expected)
 
     def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int) -> None:
@@ -278,12 +283,12 @@ class Balancer:
         pool.mean_output += (output_tokens - pool.mean_output) * 0.01
         node.latency.update(now - ticket.t_dispatch, now)
         if ticket.t_first >= 0.0 and output_tokens >= 2:
-            tpot = (now - ticket.t_first) / (output_tokens - 1)
+            span = now - ticket.t_first
+            tpot = span / (output_tokens - 1)
             node.tpot.update(tpot, now)
             batch = max(1, (ticket.batch_at_first + node.in_flight + 1) // 2)
-            ctx = ticket.prompt_tokens + output_tokens * 0.5
-            expected = node.perf.step_time(batch, batch * ctx)
-            node.capacity.decode.update(tpot, expected)
+            ctx = pool.mean_prompt + pool.mean_output * 0.5
+            node.capacity.decode.update(tpot, decode_step_s(node.perf, batch, ctx))
 
     def on_engine_metrics(
         self, node_id: str, now: float, running: int, waiting: int, kv_usage: float
@@ -298,5 +303,18 @@ class Balancer:
 
     def tick(self, now: float) -> list[Event]:
         """Periodic work; returns the events it produced (state changes)."""
+        self._refresh_class_slowdowns()
         self._last_tick = now
         return []
+
+    def _refresh_class_slowdowns(self) -> None:
+        sums: dict[str, list[float]] = {}
+        for node in self.nodes.values():
+            acc = sums.setdefault(node.spec.gpu_class, [0.0, 0.0, 0.0])
+            acc[0] += node.capacity.decode.log_ratio
+            acc[1] += node.capacity.prefill.log_ratio
+            acc[2] += 1.0
+        for node in self.nodes.values():
+            d, p, n = sums[node.spec.gpu_class]
+            node.class_decode_slowdown = math.exp(d / n)
+            node.class_prefill_slowdown = math.exp(p / n)

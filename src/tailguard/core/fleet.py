@@ -27,6 +27,10 @@ class Outcome(enum.Enum):
     UPSTREAM_5XX = "upstream_5xx"
     UPSTREAM_429 = "upstream_429"
     CLIENT_CANCELLED = "client_cancelled"
+    # The engine refused the request itself (a 4xx other than 429: bad
+    # parameters, context too long): says nothing about the node's health or
+    # speed, so nothing is learned from it.
+    CLIENT_ERROR = "client_error"
 
     @property
     def is_node_failure(self) -> bool:
@@ -41,6 +45,7 @@ class NodeState(enum.Enum):
     PROBATION = "probation"  # a small canary share, ramping up
     CORDONED = "cordoned"  # taken out by an operator
     DRAINING = "draining"  # being removed: no new requests
+    DOWN = "down"  # failing the driver's active health checks: no new requests
 
     @property
     def routable(self) -> bool:
@@ -111,6 +116,10 @@ class NodeView(Protocol):
     def latency(self) -> PeakEwma: ...
     @property
     def engine_waiting(self) -> int: ...
+    @property
+    def class_decode_slowdown(self) -> float: ...
+    @property
+    def class_prefill_slowdown(self) -> float: ...
 
 
 class Node:
@@ -118,6 +127,8 @@ class Node:
 
     __slots__ = (
         "capacity",
+        "class_decode_slowdown",
+        "class_prefill_slowdown",
         "decoding",
         "dispatched_total",
         "engine_kv_usage",
@@ -131,6 +142,7 @@ class Node:
         "out_tokens_per_s",
         "perf",
         "prefill_backlog",
+        "prefill_tokens_total",
         "prefilling",
         "slots",
         "spec",
@@ -153,6 +165,11 @@ class Node:
         self.prefill_backlog = 0
         self.decoding = 0
         self.dispatched_total = 0
+        self.prefill_tokens_total = 0  # prompt tokens ever dispatched here
+        # The GPU class's learned slowdowns (geometric mean over its nodes),
+        # which is what the router uses; refreshed by Balancer.tick.
+        self.class_decode_slowdown = 1.0
+        self.class_prefill_slowdown = 1.0
         self.capacity = CapacityEstimate()
         self.latency = PeakEwma(tau=10.0)
         self.ttft = Ewma(tau=10.0)

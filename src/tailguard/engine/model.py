@@ -31,8 +31,8 @@ finishes at ``output_tokens`` tokens. The step time is
 
 Timing rules (where a real engine is ambiguous, the choice made here):
 
-* A step is composed the moment the previous one ends, or when an idle
-  engine receives a request. An input (submit, cancel, speed change, stall)
+* A step is composed the moment the previous one (or a pause) ends, or when
+  an idle engine receives a request. An input (submit, cancel, speed change, stall)
   at time ``now`` is seen by the first step composed *after* ``now``; an
   input that arrives exactly at a step boundary is seen by the step after
   the one composed there. The step in progress always completes as composed
@@ -61,8 +61,8 @@ request:
   first step at which they outgrow the cache, take ``O(block_size)``;
 * finishing steps sit in a heap (lazy deletion on cancel and preemption).
 
-An input in the middle of a run truncates it to the step in progress, an
-``O(log n)`` inverse of the closed-form sum. With ``step_by_step=True`` the
+An input in the middle of a run truncates it to the step in progress: the
+inverse of the closed-form sum (a quadratic root, fixed up by +-1), ``O(1)``. With ``step_by_step=True`` the
 engine reports every step boundary from :meth:`Engine.next_event_time` (for
 an emulator that streams tokens) and computes the very same numbers.
 """
@@ -241,9 +241,9 @@ class Engine:
         """Queue a request; a request that can never fit fails at once (see module docstring)."""
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("prompt_tokens and output_tokens must be >= 1")
+        self._bring_to(now)
         if req_id in self._reqs:
             raise ValueError(f"request {req_id} is already in the engine")
-        self._bring_to(now)
         if self._crashed or _blocks(prompt_tokens + output_tokens - 1, self._bs) > self._num_blocks:
             self._out.append((now, FAILED, req_id))
         else:
@@ -301,7 +301,13 @@ class Engine:
         self._update_next()
 
     def crash(self, now: float) -> list[Event]:
-        """Fail every request held and stop; returns pending events, then one FAILED per request."""
+        """Fail every request held and stop accepting work.
+
+        Returns the events not yet reported by :meth:`advance` (any kind, at
+        times <= ``now``: a caller that handles a crash before an engine event
+        at the same instant gets them here), then one ``FAILED`` at ``now`` per
+        request held, by id.
+        """
         self._bring_to(now)
         out = self._out
         self._out = []

@@ -87,12 +87,14 @@ class Segment:
         else:
             lo0, lo1, hi0, hi1 = m0, m1, c0, c1
         # The steeper line (hi) dominates from js on: first j with hi(j) >= lo(j).
-        if hi0 >= lo0:
+        gap = lo0 - hi0
+        slope = hi1 - lo1
+        if gap <= 0.0:
             js = 0
-        elif hi1 == lo1:
+        elif gap >= slope * n:  # no crossover within the run (also keeps the division finite)
             js = n
         else:
-            js = min(n, max(0, math.ceil((lo0 - hi0) / (hi1 - lo1))))
+            js = min(n, math.ceil(gap / slope))
         seg.js = js
         seg.a1 = lo0 + k
         seg.b1 = lo1

@@ -37,6 +37,8 @@ OK, FAILED_STATUS, UNFINISHED = 0, 1, 2
 
 MAX_ATTEMPTS = 2  # the first try and one retry on another node
 
+_DELIVERY = {FIRST_TOKEN: _FIRST, FINISH: _FINISH, FAILED: _FAIL}
+
 
 @dataclass(slots=True)
 class RunRecord:
@@ -188,6 +190,13 @@ def run_cluster(
         push(heap, (t + half_rtt + ns.delay, seq, _SUBMIT, rid, ni))
         seq += 1
 
+    def deliver(t_ev: float, ev_kind: int, rid: int) -> None:
+        """Queue an engine event for the gateway, after the network delay back."""
+        nonlocal seq
+        ns = nodes[rec.node[rid]]
+        push(heap, (t_ev + half_rtt + ns.delay, seq, _DELIVERY[ev_kind], rid, 2))
+        seq += 1
+
     def fail(rid: int, t: float, outcome: Outcome) -> None:
         nonlocal outstanding
         ticket = tickets[rid]
@@ -213,12 +222,7 @@ def run_cluster(
             ns.scheduled = math.inf
             delay = half_rtt + ns.delay
             for t_ev, ev_kind, rid in ns.engine.advance(now):
-                if ev_kind == FIRST_TOKEN:
-                    push(heap, (t_ev + delay, seq, _FIRST, rid, 0))
-                elif ev_kind == FINISH:
-                    push(heap, (t_ev + delay, seq, _FINISH, rid, 0))
-                else:
-                    push(heap, (t_ev + delay, seq, _FAIL, rid, 2))
+                push(heap, (t_ev + delay, seq, _DELIVERY[ev_kind], rid, 2))
                 seq += 1
             reschedule(ns)
         elif kind == _ARRIVE:
@@ -254,7 +258,7 @@ def run_cluster(
         elif kind == _FAIL:
             fail(a, now, Outcome.CONNECT_FAILURE if b == 0 else Outcome.UPSTREAM_5XX)
         elif kind == _FAULT:
-            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, fail)
+            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, fail, deliver)
             reschedule(nodes[by_id[faults[a].node]])
         else:  # _TICK
             rec.events.extend(balancer.tick(now))
@@ -268,6 +272,7 @@ def run_cluster(
 def _apply_fault(
     f: Fault, ending: bool, ns: _NodeSim, now: float,
     fail: Callable[[int, float, Outcome], None],
+    deliver: Callable[[float, int, int], None],
 ) -> None:
     eng = ns.engine
     if f.kind == "throttle":
@@ -281,8 +286,12 @@ def _apply_fault(
             eng.restart(now)
         else:
             ns.crashed = True
-            for t_ev, _, rid in eng.crash(now):
-                fail(rid, t_ev, Outcome.CONNECT_FAILURE)
+            # crash() first reports what had already happened, then one FAILED per request.
+            for t_ev, kind, rid in eng.crash(now):
+                if kind == FAILED:
+                    fail(rid, t_ev, Outcome.CONNECT_FAILURE)
+                else:
+                    deliver(t_ev, kind, rid)
     elif f.kind == "error_rate":
         ns.error_rate = 0.0 if ending else f.rate
     elif f.kind == "slow_network":

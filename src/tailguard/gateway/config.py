@@ -1,0 +1,601 @@
+"""The fleet file: which engines the gateway fronts, and how each model's pool behaves.
+
+One YAML file serves both ``tailguard serve`` (this package) and ``tailguard
+emulate`` (which reads the same nodes and their ``faults``/``emulator`` keys)::
+
+    listen: 127.0.0.1:8080
+    nodes:
+      - {id: h100-0, url: http://127.0.0.1:8101, gpu: H100-SXM, models: [llama-3.1-8b]}
+      - {id: l4-0, url: http://127.0.0.1:8102, gpu: L4, tp: 1, models: [llama-3.1-8b],
+         engine: vllm, labels: {zone: a}}
+    pools:
+      llama-3.1-8b: {policy: tailguard, slo: {ttft_s: 2.0, tpot_s: 0.1}}
+    admin: {token_env: TAILGUARD_ADMIN_TOKEN}
+
+:func:`load_fleet` reads a file, :func:`parse_fleet` checks already-loaded data
+(the admin API and the tests use it). Every value is validated up front; an
+error is a :class:`tailguard.errors.ConfigError` naming the dotted field
+(``nodes[1].gpu``) and, where the set is finite, the allowed values. Unknown
+keys are errors too (a typo must not silently fall back to a default), except
+the raw sections kept for the emulator (``faults``, ``emulator``) and keys that
+start with ``x-`` (free annotations).
+
+Decisions worth knowing:
+
+* A GPU name the catalog does not know is *accepted with a warning*
+  (:attr:`FleetConfig.warnings`): new or custom accelerators exist, and the
+  balancer copes (its prior then has a mid-range GPU's shape and measurements
+  set its scale). Aliases such as ``H100``, ``A100`` or the names nvidia-smi
+  prints resolve through :data:`tailguard.core.hardware.DEFAULT_CATALOG`.
+* A model name the catalog does not know is served all the same; a pool may
+  name its ``catalog_model`` for the roofline prior, which must then exist.
+* A model served by nodes but absent from ``pools`` gets a pool with the
+  defaults (policy ``tailguard``).
+
+Everything is a frozen dataclass: a reload builds a new :class:`FleetConfig`
+and the gateway diffs it against the running one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yarl import URL
+
+from tailguard.core.balancer import PoolConfig
+from tailguard.core.fleet import NodeSpec
+from tailguard.core.hardware import DEFAULT_CATALOG, GPU, Catalog
+from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
+from tailguard.errors import ConfigError
+
+#: Engines whose metric names the gateway knows (``None`` in a node: detect).
+ENGINES = ("vllm", "sglang", "trtllm", "tgi")
+DEFAULT_LISTEN = ("127.0.0.1", 8080)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+FLEET_KEYS = ("listen", "nodes", "pools", "admin", "api_keys", "api_keys_env", "max_body_bytes",
+              "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog")
+NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
+             "api_key_env", "faults", "emulator")
+POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries")
+
+
+# -- the dataclasses ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Per-pool upstream timeouts, in seconds.
+
+    ``first_byte_s`` bounds the wait for the first byte of a *streamed*
+    answer (a non-streamed answer only arrives once it is complete, so only
+    ``total_s`` bounds it); ``idle_s`` bounds the gap between two chunks of a
+    stream; ``total_s`` bounds the whole request, retries included.
+    """
+
+    connect_s: float = 2.0
+    first_byte_s: float = 30.0
+    idle_s: float = 30.0
+    total_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySettings:
+    """Failover before the first byte reached the client.
+
+    ``attempts`` counts the first try; retries go to a node not tried yet.
+    ``budget`` is the share of requests that may be retried (Finagle's retry
+    budget: each request deposits ``budget`` tokens, each retry spends one),
+    plus ``min_per_s`` retries per second so a quiet pool can still fail over.
+    """
+
+    attempts: int = 3
+    budget: float = 0.2
+    min_per_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """One served model name: routing policy, SLO, timeouts and retries."""
+
+    name: str
+    policy: str = DEFAULT_POLICY
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    slo: Slo = field(default_factory=Slo)
+    catalog_model: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    retries: RetrySettings = field(default_factory=RetrySettings)
+
+    def pool_config(self) -> PoolConfig:
+        """The decision core's view of this pool."""
+        return PoolConfig(self.name, self.policy, self.policy_options, self.slo,
+                          self.catalog_model)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """One engine replica (``tp`` GPUs serving together) behind ``url``."""
+
+    id: str
+    url: str  # base URL without a trailing slash: requests go to url + "/v1/..."
+    gpu: str  # as written in the file
+    gpu_spec: GPU | None  # the catalog entry; None for a GPU the catalog does not know
+    models: tuple[str, ...]
+    tp: int = 1
+    engine: str | None = None  # one of ENGINES; None: detect from the metric names
+    labels: Mapping[str, str] = field(default_factory=dict)
+    weight: float | None = None
+    max_num_seqs: int = 256
+    api_key_env: str | None = None  # env var holding the key the engine expects
+    faults: tuple[Mapping[str, Any], ...] = ()  # raw, for the emulator
+    emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
+
+    def spec(self) -> NodeSpec:
+        """The decision core's view of this node."""
+        return NodeSpec(id=self.id, gpu=self.gpu_spec, gpu_name=self.gpu, tp=self.tp,
+                        models=self.models, labels=dict(self.labels), weight=self.weight,
+                        url=self.url, max_num_seqs=self.max_num_seqs)
+
+    @property
+    def host(self) -> str:
+        return URL(self.url).host or ""
+
+    @property
+    def port(self) -> int:
+        return URL(self.url).port or 80
+
+    @property
+    def gpu_class(self) -> str:
+        return self.gpu_spec.name if self.gpu_spec else self.gpu
+
+    def upstream_api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """The admin API: off unless the env var ``token_env`` holds a token.
+
+    ``allow`` lists the hosts (names, addresses or CIDR networks) a node
+    registered through ``POST /admin/nodes`` may point at; empty refuses every
+    registration (this guards against the gateway being used to reach
+    arbitrary hosts).
+    """
+
+    token_env: str | None = None
+    allow: tuple[str, ...] = ()
+
+    def token(self) -> str | None:
+        if not self.token_env:
+            return None
+        return os.environ.get(self.token_env) or None
+
+    def url_allowed(self, url: str) -> bool:
+        host = URL(url).host
+        if not host:
+            return False
+        try:
+            addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+        except ValueError:
+            addr = None
+        for entry in self.allow:
+            if addr is not None and "/" in entry:
+                try:
+                    if addr in ipaddress.ip_network(entry, strict=False):
+                        return True
+                except ValueError:
+                    continue
+            elif entry.lower() == host.lower():
+                return True
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeSettings:
+    """Engine metrics scraping (``GET {url}/metrics``)."""
+
+    interval_s: float = 0.5
+    stale_s: float = 2.0  # older data is marked stale and withdrawn from the balancer
+    timeout_s: float = 1.0
+    path: str = "/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    """Active health checks (``GET {url}{path}``)."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    path: str = "/health"
+    failures: int = 2  # consecutive failures before a node is marked down
+    successes: int = 1  # consecutive successes before it is routed again
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """A parsed fleet file."""
+
+    listen: tuple[str, int] = DEFAULT_LISTEN
+    nodes: tuple[NodeConfig, ...] = ()
+    pools: Mapping[str, PoolSettings] = field(default_factory=dict)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    scrape: ScrapeSettings = field(default_factory=ScrapeSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    reload_poll_s: float = 1.0  # mtime poll of the file; 0 turns it off
+    shutdown_timeout_s: float = 30.0
+    emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
+    catalog: Catalog = DEFAULT_CATALOG
+    path: Path | None = None  # the file it came from, for reloads
+    warnings: tuple[str, ...] = ()
+
+    def pool(self, model: str) -> PoolSettings:
+        """The settings of ``model``'s pool (defaults when the file has none)."""
+        found = self.pools.get(model)
+        return found if found is not None else PoolSettings(model)
+
+    def node(self, node_id: str) -> NodeConfig | None:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        return None
+
+    @property
+    def models(self) -> list[str]:
+        """Served model names, in the order the nodes first name them."""
+        seen: dict[str, None] = {}
+        for n in self.nodes:
+            for m in n.models:
+                seen.setdefault(m, None)
+        return list(seen)
+
+
+# -- value checks ------------------------------------------------------------------
+
+
+def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where, f"must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    for key in raw:
+        if isinstance(key, str) and key.startswith("x-"):
+            continue
+        if key not in allowed:
+            raise ConfigError(f"{where}.{key}" if where else str(key), "unknown key",
+                              list(allowed))
+
+
+def _number(raw: Mapping[str, Any], key: str, where: str, default: float,
+            minimum: float = 0.0, allow_zero: bool = False) -> float:
+    value = raw.get(key)
+    if value is None:
+        return default
+    name = f"{where}.{key}" if where else key
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    if value < minimum or (value == minimum and not allow_zero):
+        raise ConfigError(name, f"must be {'>=' if allow_zero else '>'} {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _integer(raw: Mapping[str, Any], key: str, where: str, default: int, minimum: int = 1) -> int:
+    value = raw.get(key)
+    if value is None:
+        return default
+    name = f"{where}.{key}" if where else key
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(name, f"must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _string(raw: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = raw.get(key)
+    name = f"{where}.{key}" if where else key
+    if value is None:
+        if default is None:
+            raise ConfigError(name, "is required")
+        return default
+    if not isinstance(value, str) or not value:
+        raise ConfigError(name, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _path(raw: Mapping[str, Any], key: str, where: str, default: str) -> str:
+    value = _string(raw, key, where, default)
+    if not value.startswith("/"):
+        raise ConfigError(f"{where}.{key}", f"must start with '/', got {value!r}")
+    return value
+
+
+def parse_listen(raw: Any, where: str = "listen") -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` or a bare port number."""
+    if raw is None:
+        return DEFAULT_LISTEN
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        host, port_text = DEFAULT_LISTEN[0], str(raw)
+    elif isinstance(raw, str):
+        text = raw.strip()
+        if text.startswith("["):
+            end = text.find("]")
+            if end < 0 or text[end + 1:end + 2] != ":":
+                raise ConfigError(where, f"must be host:port, got {raw!r}")
+            host, port_text = text[1:end], text[end + 2:]
+        elif ":" in text:
+            host, _, port_text = text.rpartition(":")
+        else:
+            host, port_text = DEFAULT_LISTEN[0], text
+        host = host or "0.0.0.0"
+    else:
+        raise ConfigError(where, f"must be host:port, got {raw!r}")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(where, f"port must be 0-65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+def parse_url(raw: Any, where: str) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ConfigError(where, f"must be a URL like http://10.0.0.5:8000, got {raw!r}")
+    try:
+        url = URL(raw)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(where, f"not a valid URL: {raw!r}") from exc
+    if url.scheme not in ("http", "https"):
+        raise ConfigError(where, f"scheme must be http or https, got {raw!r}", ["http", "https"])
+    if not url.host:
+        raise ConfigError(where, f"has no host: {raw!r}")
+    if url.query_string or url.fragment:
+        raise ConfigError(where, f"must not carry a query or fragment: {raw!r}")
+    return raw.rstrip("/")
+
+
+def parse_slo(raw: Any, where: str) -> Slo:
+    if raw is None:
+        return Slo()
+    m = _mapping(raw, where)
+    _check_keys(m, ("ttft_s", "tpot_s", "attainment"), where)
+    base = Slo()
+    att = _number(m, "attainment", where, base.attainment)
+    if att > 1.0:
+        raise ConfigError(f"{where}.attainment", f"must be in (0, 1], got {att!r}")
+    return Slo(_number(m, "ttft_s", where, base.ttft_s), _number(m, "tpot_s", where, base.tpot_s),
+               att)
+
+
+def parse_timeouts(raw: Any, where: str) -> Timeouts:
+    if raw is None:
+        return Timeouts()
+    m = _mapping(raw, where)
+    _check_keys(m, ("connect_s", "first_byte_s", "idle_s", "total_s"), where)
+    b = Timeouts()
+    return Timeouts(_number(m, "connect_s", where, b.connect_s),
+                    _number(m, "first_byte_s", where, b.first_byte_s),
+                    _number(m, "idle_s", where, b.idle_s),
+                    _number(m, "total_s", where, b.total_s))
+
+
+def parse_retries(raw: Any, where: str) -> RetrySettings:
+    if raw is None:
+        return RetrySettings()
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = {"attempts": raw}
+    m = _mapping(raw, where)
+    _check_keys(m, ("attempts", "budget", "min_per_s"), where)
+    b = RetrySettings()
+    budget = _number(m, "budget", where, b.budget, allow_zero=True)
+    if budget > 1.0:
+        raise ConfigError(f"{where}.budget", f"must be in [0, 1] (a share of requests), got {budget}")
+    return RetrySettings(_integer(m, "attempts", where, b.attempts),
+                         budget, _number(m, "min_per_s", where, b.min_per_s, allow_zero=True))
+
+
+def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG) -> PoolSettings:
+    m = _mapping(raw if raw is not None else {}, where)
+    _check_keys(m, POOL_KEYS, where)
+    policy = _string(m, "policy", where, DEFAULT_POLICY)
+    if policy not in policy_names():
+        raise ConfigError(f"{where}.policy", f"unknown policy {policy!r}", policy_names())
+    options = dict(_mapping(m.get("policy_options") or {}, f"{where}.policy_options"))
+    slo = parse_slo(m.get("slo"), f"{where}.slo")
+    # Build the policy once so a bad option fails at load, not on the first request.
+    make_policy(policy, slo, options, field=f"{where}.policy_options")
+    catalog_model = m.get("catalog_model")
+    if catalog_model is not None:
+        catalog_model = _string(m, "catalog_model", where)
+        if catalog.find_model(catalog_model) is None:
+            raise ConfigError(f"{where}.catalog_model", f"unknown model {catalog_model!r}",
+                              [x.name for x in catalog.models])
+    return PoolSettings(name, policy, options, slo, catalog_model,
+                        parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
+                        parse_retries(m.get("retries"), f"{where}.retries"))
+
+
+def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
+               warnings: list[str] | None = None) -> NodeConfig:
+    """One ``nodes:`` entry (also the body of ``POST /admin/nodes``)."""
+    m = _mapping(raw, where)
+    _check_keys(m, NODE_KEYS, where)
+    node_id = m.get("id")
+    if isinstance(node_id, int) and not isinstance(node_id, bool):
+        node_id = str(node_id)
+    if not isinstance(node_id, str) or not node_id or any(c.isspace() for c in node_id):
+        raise ConfigError(f"{where}.id", f"must be a non-empty string without spaces, got {node_id!r}")
+    url = parse_url(m.get("url"), f"{where}.url")
+    gpu = m.get("gpu")
+    if not isinstance(gpu, str) or not gpu:
+        raise ConfigError(f"{where}.gpu", "is required (a GPU name such as H100, A100, L4)",
+                          [g.name for g in catalog.gpus])
+    gpu_spec = catalog.find_gpu(gpu)
+    if gpu_spec is None and warnings is not None:
+        warnings.append(f"{where}.gpu: unknown GPU {gpu!r}; its capacity will be learned from "
+                        "measurements (known: " + ", ".join(g.name for g in catalog.gpus) + ")")
+    models_raw = m.get("models")
+    if isinstance(models_raw, str):
+        models_raw = [models_raw]
+    if (not isinstance(models_raw, list) or not models_raw
+            or not all(isinstance(x, str) and x for x in models_raw)):
+        raise ConfigError(f"{where}.models", "must be a non-empty list of served model names")
+    if len(set(models_raw)) != len(models_raw):
+        raise ConfigError(f"{where}.models", "names a model twice")
+    engine = m.get("engine")
+    if engine is not None and engine not in ENGINES:
+        raise ConfigError(f"{where}.engine", f"unknown engine {engine!r}", [*ENGINES, "(omit: detect)"])
+    labels = _mapping(m.get("labels") or {}, f"{where}.labels")
+    weight = m.get("weight")
+    if weight is not None:
+        weight = _number(m, "weight", where, 1.0)
+    api_key_env = m.get("api_key_env")
+    if api_key_env is not None:
+        api_key_env = _string(m, "api_key_env", where)
+    faults_raw = m.get("faults") or []
+    if not isinstance(faults_raw, list):
+        raise ConfigError(f"{where}.faults", "must be a list of {kind, at_s, duration_s, ...}")
+    faults = tuple(_mapping(f, f"{where}.faults[{i}]") for i, f in enumerate(faults_raw))
+    for i, f in enumerate(faults):
+        if not isinstance(f.get("kind"), str):
+            raise ConfigError(f"{where}.faults[{i}].kind", "is required")
+    emulator = _mapping(m.get("emulator") or {}, f"{where}.emulator")
+    return NodeConfig(
+        id=node_id, url=url, gpu=gpu, gpu_spec=gpu_spec, models=tuple(models_raw),
+        tp=_integer(m, "tp", where, 1), engine=engine,
+        labels={str(k): str(v) for k, v in labels.items()}, weight=weight,
+        max_num_seqs=_integer(m, "max_num_seqs", where, 256), api_key_env=api_key_env,
+        faults=faults, emulator=dict(emulator),
+    )
+
+
+def _parse_api_keys(m: Mapping[str, Any]) -> tuple[str, ...]:
+    keys: list[str] = []
+    raw = m.get("api_keys")
+    if raw is not None:
+        if not isinstance(raw, list) or not all(isinstance(k, str) and k for k in raw):
+            raise ConfigError("api_keys", "must be a list of non-empty strings")
+        keys.extend(raw)
+    env = m.get("api_keys_env")
+    if env is not None:
+        name = _string(m, "api_keys_env", "")
+        value = os.environ.get(name, "")
+        # An unset variable is a deployment mistake that would open the gateway.
+        if not value.strip():
+            raise ConfigError("api_keys_env", f"environment variable {name} is unset or empty")
+        keys.extend(k.strip() for k in value.split(",") if k.strip())
+    return tuple(keys)
+
+
+def parse_admin(raw: Any) -> AdminConfig:
+    if raw is None:
+        return AdminConfig()
+    m = _mapping(raw, "admin")
+    _check_keys(m, ("token_env", "allow"), "admin")
+    token_env = m.get("token_env")
+    if token_env is not None:
+        token_env = _string(m, "token_env", "admin")
+    allow_raw = m.get("allow") or []
+    if isinstance(allow_raw, str):
+        allow_raw = [allow_raw]
+    if not isinstance(allow_raw, list):
+        raise ConfigError("admin.allow", "must be a list of hosts or CIDR networks")
+    allow: list[str] = []
+    for i, entry in enumerate(allow_raw):
+        if not isinstance(entry, str) or not entry:
+            raise ConfigError(f"admin.allow[{i}]", f"must be a host or CIDR, got {entry!r}")
+        if "/" in entry:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError as exc:
+                raise ConfigError(f"admin.allow[{i}]", f"not a valid network: {entry!r}") from exc
+        allow.append(entry)
+    return AdminConfig(token_env, tuple(allow))
+
+
+def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAULT_CATALOG,
+                path: Path | None = None) -> FleetConfig:
+    """Check a loaded fleet document and build its :class:`FleetConfig`.
+
+    ``base_dir`` is where relative paths in the file would be resolved (none
+    are used yet; the parameter keeps the loader's signature stable).
+    """
+    del base_dir
+    m = _mapping(raw if raw is not None else {}, "fleet")
+    _check_keys(m, FLEET_KEYS, "")
+    warnings: list[str] = []
+    if "catalog" in m:
+        catalog = catalog.extend(_mapping(m["catalog"], "catalog"))
+    nodes_raw = m.get("nodes")
+    if nodes_raw is None:
+        nodes_raw = []
+    if not isinstance(nodes_raw, list):
+        raise ConfigError("nodes", "must be a list of {id, url, gpu, models}")
+    nodes: list[NodeConfig] = []
+    seen: set[str] = set()
+    for i, item in enumerate(nodes_raw):
+        node = parse_node(item, f"nodes[{i}]", catalog, warnings)
+        if node.id in seen:
+            raise ConfigError(f"nodes[{i}].id", f"duplicate node id {node.id!r}")
+        seen.add(node.id)
+        nodes.append(node)
+    pools_raw = _mapping(m.get("pools") or {}, "pools")
+    served = {model for n in nodes for model in n.models}
+    pools: dict[str, PoolSettings] = {}
+    for name, body in pools_raw.items():
+        pools[str(name)] = parse_pool(str(name), body, f"pools.{name}", catalog)
+        if name not in served:
+            warnings.append(f"pools.{name}: no node serves this model yet")
+    scrape_raw = _mapping(m.get("scrape") or {}, "scrape")
+    _check_keys(scrape_raw, ("interval_s", "stale_s", "timeout_s", "path"), "scrape")
+    s = ScrapeSettings()
+    scrape = ScrapeSettings(_number(scrape_raw, "interval_s", "scrape", s.interval_s),
+                            _number(scrape_raw, "stale_s", "scrape", s.stale_s),
+                            _number(scrape_raw, "timeout_s", "scrape", s.timeout_s),
+                            _path(scrape_raw, "path", "scrape", s.path))
+    health_raw = _mapping(m.get("health") or {}, "health")
+    _check_keys(health_raw, ("interval_s", "timeout_s", "path", "failures", "successes"), "health")
+    h = HealthSettings()
+    health = HealthSettings(_number(health_raw, "interval_s", "health", h.interval_s),
+                            _number(health_raw, "timeout_s", "health", h.timeout_s),
+                            _path(health_raw, "path", "health", h.path),
+                            _integer(health_raw, "failures", "health", h.failures),
+                            _integer(health_raw, "successes", "health", h.successes))
+    reload_raw = _mapping(m.get("reload") or {}, "reload")
+    _check_keys(reload_raw, ("poll_s",), "reload")
+    return FleetConfig(
+        listen=parse_listen(m.get("listen")),
+        nodes=tuple(nodes),
+        pools=pools,
+        admin=parse_admin(m.get("admin")),
+        api_keys=_parse_api_keys(m),
+        max_body_bytes=_integer(m, "max_body_bytes", "", DEFAULT_MAX_BODY_BYTES),
+        scrape=scrape,
+        health=health,
+        reload_poll_s=_number(reload_raw, "poll_s", "reload", 1.0, allow_zero=True),
+        shutdown_timeout_s=_number(m, "shutdown_timeout_s", "", 30.0, allow_zero=True),
+        emulator=dict(_mapping(m.get("emulator") or {}, "emulator")),
+        catalog=catalog,
+        path=path,
+        warnings=tuple(warnings),
+    )
+
+
+def load_fleet(path: str | Path, catalog: Catalog = DEFAULT_CATALOG) -> FleetConfig:
+    """Read and check a fleet file; raises :class:`ConfigError` naming the field."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read fleet file {str(p)!r}: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
+    return parse_fleet(raw, p.parent, catalog, p.resolve())

@@ -1,0 +1,179 @@
+"""Background probes of one node: engine metrics scrape and active health check.
+
+Two loops per node, both plain ``GET`` requests on the shared client session:
+
+* **scrape** ``{url}/metrics`` every ``scrape.interval_s`` (default 0.5 s),
+  parsed with the node's :mod:`~tailguard.gateway.engine_metrics` adapter
+  (configured, or detected from the first page). Each good sample goes to
+  ``balancer.on_engine_metrics``. Data older than ``scrape.stale_s`` (default
+  2 s, as Kubernetes' endpoint picker does) is *stale*: the monitor says so
+  (admin API, ``tailguard_node_engine_metrics_stale``) and withdraws it from
+  the balancer by reporting -1 ("not reported"), so no decision rests on a
+  picture of the engine that is seconds old. A node without a metrics page
+  (404) is asked again only every 30 s.
+* **health** ``{url}{health.path}`` every ``health.interval_s``: after
+  ``failures`` consecutive failures (non-2xx, connect error, timeout) the node
+  is reported down (the live fleet takes it out of rotation with
+  ``NodeState.DOWN``), and after ``successes`` consecutive successes up again.
+  A node starts *up*: a fleet started before its engines is routed at once,
+  and the proxy's failover covers the first seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from tailguard.gateway.config import HealthSettings, NodeConfig, ScrapeSettings
+from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
+
+log = logging.getLogger("tailguard.gateway.monitor")
+
+NO_METRICS_RETRY_S = 30.0
+
+SampleCallback = Callable[[str, float, EngineSample | None], None]
+HealthCallback = Callable[[str, bool], None]
+
+
+class NodeMonitor:
+    """Scrapes and health-checks one node until :meth:`stop`."""
+
+    def __init__(
+        self,
+        node: NodeConfig,
+        session: aiohttp.ClientSession,
+        scrape: ScrapeSettings,
+        health: HealthSettings,
+        on_sample: SampleCallback,
+        on_health: HealthCallback,
+    ) -> None:
+        self.node = node
+        self.session = session
+        self.scrape = scrape
+        self.health = health
+        self.on_sample = on_sample
+        self.on_health = on_health
+        self.engine = node.engine  # None until detected
+        self.sample: EngineSample | None = None
+        self.sample_at = -1.0  # monotonic time of the last good sample
+        self.stale = False
+        self.metrics_missing = False
+        self.scrape_errors = 0
+        self.up = True
+        self.checks_failed = 0  # consecutive
+        self.checks_passed = 0  # consecutive
+        self.last_error: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        key = node.upstream_api_key()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._scrape_loop(), name=f"scrape:{self.node.id}"),
+            asyncio.create_task(self._health_loop(), name=f"health:{self.node.id}"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+
+    def metrics_age(self, now: float) -> float | None:
+        return now - self.sample_at if self.sample_at >= 0 else None
+
+    # -- engine metrics ------------------------------------------------------
+
+    async def scrape_once(self) -> None:
+        url = self.node.url + self.scrape.path
+        timeout = aiohttp.ClientTimeout(total=self.scrape.timeout_s)
+        try:
+            async with self.session.get(url, timeout=timeout, headers=self._headers) as resp:
+                if resp.status == 404:
+                    self.metrics_missing = True
+                    return
+                if resp.status != 200:
+                    self.scrape_errors += 1
+                    self.last_error = f"metrics: HTTP {resp.status}"
+                    return
+                text = await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self.scrape_errors += 1
+            self.last_error = f"metrics: {type(exc).__name__}: {exc}"
+            return
+        self.metrics_missing = False
+        if self.engine is None:
+            self.engine = detect_engine(text)
+            if self.engine is None:
+                self.last_error = "metrics: no known engine metric on the page"
+                return
+            log.info("node %s: detected engine %s", self.node.id, self.engine)
+        sample = parse_engine_metrics(text, self.engine)
+        if sample is None:
+            self.scrape_errors += 1
+            self.last_error = f"metrics: none of the {self.engine} metrics on the page"
+            return
+        now = time.monotonic()
+        self.sample = sample
+        self.sample_at = now
+        self.stale = False
+        self.on_sample(self.node.id, now, sample)
+
+    def check_stale(self, now: float) -> None:
+        if not self.stale and self.sample_at >= 0 and now - self.sample_at > self.scrape.stale_s:
+            self.stale = True
+            self.on_sample(self.node.id, now, None)
+
+    async def _scrape_loop(self) -> None:
+        interval = self.scrape.interval_s
+        while True:
+            start = time.monotonic()
+            await self.scrape_once()
+            now = time.monotonic()
+            self.check_stale(now)
+            wait = NO_METRICS_RETRY_S if self.metrics_missing else interval - (now - start)
+            await asyncio.sleep(max(wait, 0.01))
+
+    # -- health --------------------------------------------------------------
+
+    async def check_once(self) -> bool:
+        url = self.node.url + self.health.path
+        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        try:
+            async with self.session.get(url, timeout=timeout, headers=self._headers) as resp:
+                await resp.read()
+                ok = 200 <= resp.status < 300
+                if not ok:
+                    self.last_error = f"health: HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok = False
+            self.last_error = f"health: {type(exc).__name__}: {exc}"
+        if ok:
+            self.checks_passed += 1
+            self.checks_failed = 0
+            if not self.up and self.checks_passed >= self.health.successes:
+                self.up = True
+                log.warning("node %s: health check passes again; back in rotation", self.node.id)
+                self.on_health(self.node.id, True)
+        else:
+            self.checks_failed += 1
+            self.checks_passed = 0
+            if self.up and self.checks_failed >= self.health.failures:
+                self.up = False
+                log.warning("node %s: %d health checks failed (%s); out of rotation",
+                            self.node.id, self.checks_failed, self.last_error)
+                self.on_health(self.node.id, False)
+        return ok
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self.health.interval_s)

@@ -1,0 +1,46 @@
+"""Retry budget: retries may add at most a fixed share of load (Finagle's RetryBudget).
+
+Retrying every failure doubles the load on a fleet that is failing because it
+is overloaded; a budget bounds the extra load. Each request deposits
+``ratio`` tokens, each retry withdraws one; on top, ``min_per_s`` tokens per
+second trickle in (capped at one second's worth) so a quiet pool can still
+fail over. The balance is capped at ``cap`` tokens, so a long healthy spell
+cannot bank a retry storm.
+
+Worked example, ratio 0.2, min 5/s: 100 requests in one second deposit 20
+tokens plus 5 from the trickle: up to 25 retries in that second, whatever
+share of the 100 failed.
+"""
+
+from __future__ import annotations
+
+
+class RetryBudget:
+    __slots__ = ("_t", "balance", "cap", "min_per_s", "ratio", "reserve")
+
+    def __init__(self, ratio: float, min_per_s: float, cap: float = 1000.0) -> None:
+        self.ratio = ratio
+        self.min_per_s = min_per_s
+        self.cap = cap
+        self.balance = 0.0
+        self.reserve = min_per_s  # the time-based allowance, refilled per second
+        self._t: float | None = None
+
+    def deposit(self) -> None:
+        """One request arrived."""
+        b = self.balance + self.ratio
+        self.balance = b if b < self.cap else self.cap
+
+    def try_spend(self, now: float) -> bool:
+        """Whether one retry may go now; spends it if so."""
+        if self._t is not None and self.min_per_s > 0.0:
+            r = self.reserve + (now - self._t) * self.min_per_s
+            self.reserve = r if r < self.min_per_s else self.min_per_s
+        self._t = now
+        if self.balance >= 1.0:
+            self.balance -= 1.0
+            return True
+        if self.reserve >= 1.0:
+            self.reserve -= 1.0
+            return True
+        return False
