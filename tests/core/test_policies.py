@@ -67,14 +67,28 @@ def test_tailguard_prefers_fast_gpu_until_it_is_loaded() -> None:
     assert picks.count("n1") > picks.count("n0")
 
 
-def test_tailguard_avoids_a_node_that_measured_slow() -> None:
-    b = balancer("tailguard", ["A100", "A100"])
+def test_tailguard_learns_a_gpu_class_slowdown() -> None:
+    b = balancer("tailguard", ["A100", "L40S"])
+    assert b.pick(MODEL, 500, 0.0).node_id == "n0"  # the prior favours the A100
+    b = balancer("tailguard", ["A100", "L40S"])
     node = b.nodes["n0"]
     for _ in range(40):
         node.capacity.decode.update(5.0, 1.0)
         node.capacity.prefill.update(5.0, 1.0)
-    picks = [b.pick(MODEL, 500, 0.0).node_id for _ in range(10)]
+    b.tick(1.0)  # publishes the class slowdowns the router uses
+    assert node.class_decode_slowdown > 4.0
+    picks = [b.pick(MODEL, 500, 1.0).node_id for _ in range(10)]
     assert picks.count("n1") >= 8
+
+
+def test_tailguard_pools_slowdowns_within_a_class() -> None:
+    b = balancer("tailguard", ["A100", "A100"])
+    for _ in range(40):
+        b.nodes["n0"].capacity.decode.update(4.0, 1.0)
+    b.tick(1.0)
+    # Identical cards share one multiplier: the geometric mean (sqrt 4 = 2).
+    assert abs(b.nodes["n0"].class_decode_slowdown - 2.0) < 0.1
+    assert b.nodes["n0"].class_decode_slowdown == b.nodes["n1"].class_decode_slowdown
 
 
 def test_tailguard_sampling_option() -> None:

@@ -80,11 +80,8 @@ class NodeMonitor:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        # gather, not a bare await: our own cancellation must still propagate.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
     def metrics_age(self, now: float) -> float | None:

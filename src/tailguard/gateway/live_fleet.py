@@ -1,0 +1,271 @@
+"""The running fleet: the balancer plus what the gateway keeps per node and pool.
+
+The decision core (:class:`~tailguard.core.balancer.Balancer`) knows nodes as
+specs and live statistics; the gateway adds what it needs to *reach* them:
+each node's :class:`~tailguard.gateway.config.NodeConfig` (URL, upstream key),
+its :class:`~tailguard.gateway.monitor.NodeMonitor`, and each pool's
+settings (timeouts, retries) and retry budget. All fleet changes go through
+here, whichever way they come (fleet-file reload, admin API, health checks):
+
+* **add**: ``balancer.add_node`` and a monitor;
+* **retire** (removed from the file, ``DELETE /admin/nodes/{id}``): the node
+  is set ``DRAINING`` (no new requests), and once its in-flight requests
+  finished (or after ``shutdown_timeout_s``) it leaves the balancer;
+* **change** (same id, different settings): replaced at once. Requests in
+  flight hold their :class:`~tailguard.core.balancer.Ticket`, which points to
+  the old node object, and the old URL, so they finish undisturbed;
+* **health**: a node failing its checks is ``DOWN``, and ``HEALTHY`` again
+  when they pass, unless an operator or the core moved it meanwhile.
+
+Nodes registered through the admin API are not in the file, so a reload
+leaves them alone (unless the file now names the same id: the file wins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from random import Random
+
+import aiohttp
+
+from tailguard.core.balancer import Balancer, Event
+from tailguard.core.fleet import NodeState
+from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
+from tailguard.gateway.engine_metrics import EngineSample
+from tailguard.gateway.monitor import NodeMonitor
+from tailguard.gateway.retry_budget import RetryBudget
+
+log = logging.getLogger("tailguard.gateway.fleet")
+
+TICK_INTERVAL_S = 0.5
+DRAIN_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class ReloadSummary:
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [f"{k} {', '.join(v)}" for k, v in (("added", self.added),
+                 ("removed", self.removed), ("changed", self.changed),
+                 ("pools changed", self.pools)) if v]
+        return "; ".join(parts) or "no change"
+
+
+class LiveFleet:
+    """The balancer and the gateway-side state of every node and pool."""
+
+    def __init__(self, config: FleetConfig, rng: Random | None = None) -> None:
+        self.config = config
+        self.balancer = Balancer([n.spec() for n in config.nodes],
+                                 [p.pool_config() for p in config.pools.values()],
+                                 rng or Random(), catalog=config.catalog)
+        self.nodes: dict[str, NodeConfig] = {n.id: n for n in config.nodes}
+        self.dynamic: set[str] = set()  # registered through the admin API
+        self.monitors: dict[str, NodeMonitor] = {}
+        self.event_listeners: list[Callable[[Event], None]] = []
+        self._budgets: dict[str, RetryBudget] = {}
+        self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._models: list[str] | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        for node in self.nodes.values():
+            self._start_monitor(node)
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="balancer-tick")
+
+    async def stop(self) -> None:
+        tasks = list(self._retiring.values())
+        if self._tick_task is not None:
+            tasks.append(self._tick_task)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._retiring.clear()
+        self._tick_task = None
+        for m in list(self.monitors.values()):
+            await m.stop()
+        self.monitors.clear()
+
+    def _start_monitor(self, node: NodeConfig) -> None:
+        if self._session is None:
+            return
+        mon = NodeMonitor(node, self._session, self.config.scrape, self.config.health,
+                          self._on_sample, self._on_health)
+        self.monitors[node.id] = mon
+        mon.start()
+
+    async def _stop_monitor(self, node_id: str) -> None:
+        mon = self.monitors.pop(node_id, None)
+        if mon is not None:
+            await mon.stop()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_INTERVAL_S)
+            for ev in self.balancer.tick(time.monotonic()):
+                log.info("node %s: %s -> %s (%s)", ev.node, ev.kind, ev.state, ev.reason)
+                for listener in self.event_listeners:
+                    listener(ev)
+
+    # -- what the proxy asks -------------------------------------------------
+
+    def pool_settings(self, model: str) -> PoolSettings:
+        return self.config.pool(model)
+
+    def budget(self, model: str) -> RetryBudget:
+        b = self._budgets.get(model)
+        if b is None:
+            r = self.config.pool(model).retries
+            b = self._budgets[model] = RetryBudget(r.budget, r.min_per_s)
+        return b
+
+    def served_models(self) -> list[str]:
+        """Model names some node in the fleet serves, in first-seen order."""
+        if self._models is None:
+            seen: dict[str, None] = {}
+            for node in self.balancer.nodes.values():
+                for m in node.spec.models:
+                    seen.setdefault(m, None)
+            self._models = list(seen)
+        return self._models
+
+    def serves(self, model: str) -> bool:
+        pool = self.balancer.pools.get(model)
+        return pool is not None and bool(pool.nodes)
+
+    def ready(self) -> bool:
+        return any(n.state.routable for n in self.balancer.nodes.values())
+
+    def in_flight(self) -> int:
+        return sum(n.in_flight for n in self.balancer.nodes.values())
+
+    # -- changes -------------------------------------------------------------
+
+    def add_node(self, node: NodeConfig, dynamic: bool = False) -> None:
+        """Add ``node`` to rotation (raises ConfigError for a duplicate id)."""
+        self.balancer.add_node(node.spec())
+        self.nodes[node.id] = node
+        if dynamic:
+            self.dynamic.add(node.id)
+        self._models = None
+        self._start_monitor(node)
+        log.info("node %s added (%s, %s, models %s)", node.id, node.url, node.gpu_class,
+                 ", ".join(node.models))
+
+    def set_state(self, node_id: str, state: NodeState) -> None:
+        self.balancer.set_state(node_id, state)
+
+    def retire(self, node_id: str, timeout_s: float | None = None) -> None:
+        """Drain ``node_id`` and remove it once its requests finished."""
+        if node_id in self._retiring or node_id not in self.balancer.nodes:
+            return
+        self.balancer.set_state(node_id, NodeState.DRAINING)
+        wait = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        self._retiring[node_id] = asyncio.create_task(self._retire(node_id, wait),
+                                                      name=f"retire:{node_id}")
+
+    def retiring(self, node_id: str) -> bool:
+        return node_id in self._retiring
+
+    async def _retire(self, node_id: str, timeout_s: float) -> None:
+        node = self.balancer.nodes.get(node_id)
+        deadline = time.monotonic() + timeout_s
+        while node is not None and node.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        self._retiring.pop(node_id, None)
+        await self._remove_now(node_id)
+
+    async def _remove_now(self, node_id: str) -> None:
+        if node_id in self.balancer.nodes:
+            self.balancer.remove_node(node_id)
+        self.nodes.pop(node_id, None)
+        self.dynamic.discard(node_id)
+        self._models = None
+        await self._stop_monitor(node_id)
+        log.info("node %s removed", node_id)
+
+    def _cancel_retire(self, node_id: str) -> None:
+        task = self._retiring.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+            node = self.balancer.nodes.get(node_id)
+            if node is not None and node.state is NodeState.DRAINING:
+                self.balancer.set_state(node_id, NodeState.HEALTHY)
+
+    async def apply(self, new: FleetConfig) -> ReloadSummary:
+        """Move the running fleet to ``new`` (a reloaded file) without dropping requests."""
+        summary = ReloadSummary()
+        old = self.config
+        if new.listen != old.listen:
+            log.warning("listen changed to %s:%d; it takes effect on restart", *new.listen)
+        # Pools first, so that added nodes find their pool's catalog model.
+        for name in dict.fromkeys([*old.pools, *new.pools]):
+            if old.pool(name) != new.pool(name):
+                self._replace_pool(new.pool(name))
+                self._budgets.pop(name, None)
+                summary.pools.append(name)
+        self.config = new
+        file_ids = {n.id for n in old.nodes} - self.dynamic
+        for node in new.nodes:
+            self._cancel_retire(node.id)
+            current = self.nodes.get(node.id)
+            if current is None:
+                self.add_node(node)
+                summary.added.append(node.id)
+            elif current != node or node.id in self.dynamic:
+                self.dynamic.discard(node.id)
+                if current != node:
+                    self.balancer.remove_node(node.id)
+                    await self._stop_monitor(node.id)
+                    self.nodes.pop(node.id)
+                    self.add_node(node)
+                    summary.changed.append(node.id)
+        new_ids = {n.id for n in new.nodes}
+        for node_id in sorted(file_ids - new_ids):
+            self.retire(node_id)
+            summary.removed.append(node_id)
+        if new.scrape != old.scrape or new.health != old.health:
+            for node_id in list(self.monitors):
+                await self._stop_monitor(node_id)
+                self._start_monitor(self.nodes[node_id])
+        return summary
+
+    def _replace_pool(self, settings: PoolSettings) -> None:
+        """Swap a pool's policy and SLO, keeping its nodes and running statistics."""
+        old = self.balancer.pools.get(settings.name)
+        pool = self.balancer.add_pool(settings.pool_config())
+        if old is not None:
+            pool.nodes = old.nodes
+            pool.mean_prompt = old.mean_prompt
+            pool.mean_output = old.mean_output
+            pool.invalidate()
+
+    # -- monitor callbacks ---------------------------------------------------
+
+    def _on_sample(self, node_id: str, now: float, sample: EngineSample | None) -> None:
+        if sample is None:  # stale: withdraw the old picture
+            self.balancer.on_engine_metrics(node_id, now, -1, -1, -1.0)
+        else:
+            self.balancer.on_engine_metrics(node_id, now, sample.running, sample.waiting,
+                                            sample.kv_usage)
+
+    def _on_health(self, node_id: str, up: bool) -> None:
+        node = self.balancer.nodes.get(node_id)
+        if node is None:
+            return
+        if not up and node.state.routable:
+            self.balancer.set_state(node_id, NodeState.DOWN)
+        elif up and node.state is NodeState.DOWN:
+            self.balancer.set_state(node_id, NodeState.HEALTHY)

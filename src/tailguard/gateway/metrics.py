@@ -1,0 +1,235 @@
+"""The gateway's own Prometheus metrics (``GET /metrics``).
+
+One :class:`prometheus_client.CollectorRegistry` per application, so several
+gateways in one process (tests) do not share counters. Names carry the
+``tailguard_`` prefix and their unit; labels are bounded: ``pool`` is a served
+model name (``_unknown`` for names the fleet does not serve, ``_invalid`` for
+requests refused before their model was known), ``node`` and ``gpu`` come from
+the fleet file, ``code`` is the HTTP status, ``origin`` an
+:class:`~tailguard.core.fleet.Outcome`. Never a request id.
+
+Per-request series are updated on the hot path through label children cached
+in plain dicts (``labels()`` takes a lock and builds a key each call). The
+per-node gauges (in flight, capacity estimate, state, engine metrics) are read
+from the live fleet at scrape time by :class:`FleetCollector`, so the request
+path pays nothing for them.
+
+=================================================  =========  ============================
+metric                                             type       labels
+=================================================  =========  ============================
+tailguard_requests_total                           counter    pool, code
+tailguard_ttft_seconds                             histogram  pool, node, gpu (streamed)
+tailguard_tpot_seconds                             histogram  pool, node, gpu (streamed)
+tailguard_max_token_gap_seconds                    histogram  pool, node, gpu (streamed)
+tailguard_e2e_seconds                              histogram  pool, node, gpu
+tailguard_output_tokens_total                      counter    pool, node
+tailguard_retries_total                            counter    pool, origin
+tailguard_upstream_errors_total                    counter    node, origin
+tailguard_balancer_events_total                    counter    kind, state
+tailguard_config_reloads_total                     counter    result
+tailguard_in_flight_requests                       gauge      node, gpu
+tailguard_node_slots                               gauge      node, gpu
+tailguard_node_capacity_tokens_per_second          gauge      node, gpu
+tailguard_node_decode_slowdown_ratio               gauge      node, gpu
+tailguard_node_prefill_slowdown_ratio              gauge      node, gpu
+tailguard_node_ttft_estimate_seconds               gauge      node, gpu
+tailguard_node_tpot_estimate_seconds               gauge      node, gpu
+tailguard_node_state                               gauge      node, gpu, state (1 = current)
+tailguard_node_up                                  gauge      node, gpu (health checks)
+tailguard_node_engine_running_requests             gauge      node, gpu (fresh data only)
+tailguard_node_engine_waiting_requests             gauge      node, gpu (fresh data only)
+tailguard_node_engine_kv_cache_usage_ratio         gauge      node, gpu (fresh data only)
+tailguard_node_engine_metrics_age_seconds          gauge      node, gpu
+tailguard_node_engine_metrics_stale                gauge      node, gpu
+=================================================  =========  ============================
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+
+from tailguard.core.balancer import Event
+from tailguard.core.fleet import NodeState
+
+if TYPE_CHECKING:
+    from tailguard.gateway.live_fleet import LiveFleet
+
+UNKNOWN_POOL = "_unknown"
+INVALID_POOL = "_invalid"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+               160.0, 320.0)
+
+
+class GatewayMetrics:
+    """The registry and the hot-path counters of one gateway."""
+
+    def __init__(self, fleet: LiveFleet) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        node_labels = ["pool", "node", "gpu"]
+        self.requests = Counter("tailguard_requests", "Requests answered, by pool and HTTP status",
+                                ["pool", "code"], registry=r)
+        self.ttft = Histogram("tailguard_ttft_seconds",
+                              "Time to first token of streamed answers, as the gateway saw it",
+                              node_labels, buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("tailguard_tpot_seconds",
+                              "Mean time per output token after the first, streamed answers",
+                              node_labels, buckets=TPOT_BUCKETS, registry=r)
+        self.max_gap = Histogram("tailguard_max_token_gap_seconds",
+                                 "Longest gap between two chunks of a streamed answer",
+                                 node_labels, buckets=(*TPOT_BUCKETS, 2.0, 5.0, 10.0), registry=r)
+        self.e2e = Histogram("tailguard_e2e_seconds",
+                             "End-to-end time of requests answered by a node",
+                             node_labels, buckets=E2E_BUCKETS, registry=r)
+        self.output_tokens = Counter("tailguard_output_tokens",
+                                     "Output tokens delivered (usage when reported, else counted)",
+                                     ["pool", "node"], registry=r)
+        self.retries = Counter("tailguard_retries",
+                               "Requests retried on another node, by the failure that caused it",
+                               ["pool", "origin"], registry=r)
+        self.upstream_errors = Counter("tailguard_upstream_errors",
+                                       "Failed upstream attempts, by node and origin",
+                                       ["node", "origin"], registry=r)
+        self.events = Counter("tailguard_balancer_events", "Events the decision core returned",
+                              ["kind", "state"], registry=r)
+        self.reloads = Counter("tailguard_config_reloads", "Fleet file reloads, by result",
+                               ["result"], registry=r)
+        r.register(FleetCollector(fleet))
+        fleet.event_listeners.append(self.on_event)
+        self._codes: dict[tuple[str, int], Any] = {}
+        self._nodes: dict[tuple[str, str], tuple[Any, Any, Any, Any, Any]] = {}
+
+    def request_done(self, pool: str, code: int) -> None:
+        child = self._codes.get((pool, code))
+        if child is None:
+            child = self._codes[(pool, code)] = self.requests.labels(pool, str(code))
+        child.inc()
+
+    def _node(self, pool: str, node: str, gpu: str) -> tuple[Any, Any, Any, Any, Any]:
+        key = (pool, node)
+        c = self._nodes.get(key)
+        if c is None:
+            c = self._nodes[key] = (
+                self.ttft.labels(pool, node, gpu), self.tpot.labels(pool, node, gpu),
+                self.max_gap.labels(pool, node, gpu), self.e2e.labels(pool, node, gpu),
+                self.output_tokens.labels(pool, node))
+        return c
+
+    def answered(self, pool: str, node: str, gpu: str, e2e: float, output_tokens: int,
+                 ttft: float | None = None, tpot: float | None = None,
+                 max_gap: float | None = None) -> None:
+        """A node answered (completely): latency histograms and token counter."""
+        c_ttft, c_tpot, c_gap, c_e2e, c_tokens = self._node(pool, node, gpu)
+        c_e2e.observe(e2e)
+        if output_tokens:
+            c_tokens.inc(output_tokens)
+        if ttft is not None:
+            c_ttft.observe(ttft)
+        if tpot is not None:
+            c_tpot.observe(tpot)
+        if max_gap is not None:
+            c_gap.observe(max_gap)
+
+    def upstream_error(self, node: str, origin: str) -> None:
+        self.upstream_errors.labels(node, origin).inc()
+
+    def retry(self, pool: str, origin: str) -> None:
+        self.retries.labels(pool, origin).inc()
+
+    def on_event(self, ev: Event) -> None:
+        self.events.labels(ev.kind, ev.state).inc()
+
+    def forget_node(self, node: str) -> None:
+        """Drop a removed node's cached children (its series stay until restart)."""
+        for key in [k for k in self._nodes if k[1] == node]:
+            del self._nodes[key]
+
+
+class FleetCollector:
+    """Per-node gauges, read from the live fleet when Prometheus scrapes."""
+
+    def __init__(self, fleet: LiveFleet) -> None:
+        self.fleet = fleet
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["node", "gpu"]
+
+        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels + (extra or []))
+
+        in_flight = gauge("tailguard_in_flight_requests", "Requests dispatched and not finished")
+        slots = gauge("tailguard_node_slots", "Concurrent sequences the balancer assumes the engine runs")
+        capacity = gauge("tailguard_node_capacity_tokens_per_second",
+                         "Estimated decode throughput within the pool's TPOT SLO "
+                         "(roofline prior corrected by measurements)")
+        decode = gauge("tailguard_node_decode_slowdown_ratio",
+                       "Measured decode time over the roofline prior (1 = as modelled)")
+        prefill = gauge("tailguard_node_prefill_slowdown_ratio",
+                        "Measured prefill time over the roofline prior (1 = as modelled)")
+        ttft = gauge("tailguard_node_ttft_estimate_seconds", "EWMA of measured time to first token")
+        tpot = gauge("tailguard_node_tpot_estimate_seconds", "EWMA of measured time per output token")
+        state = gauge("tailguard_node_state", "Node state (1 for the current one)", ["state"])
+        up = gauge("tailguard_node_up", "1 while the node passes its health checks")
+        running = gauge("tailguard_node_engine_running_requests",
+                        "Requests the engine reports running (fresh data only)")
+        waiting = gauge("tailguard_node_engine_waiting_requests",
+                        "Requests the engine reports waiting (fresh data only)")
+        kv = gauge("tailguard_node_engine_kv_cache_usage_ratio",
+                   "KV cache use the engine reports, 0..1 (fresh data only)")
+        age = gauge("tailguard_node_engine_metrics_age_seconds", "Age of the last good scrape")
+        stale = gauge("tailguard_node_engine_metrics_stale", "1 when the engine metrics are stale")
+        fleet = self.fleet
+        now = time.monotonic()
+        for node in list(fleet.balancer.nodes.values()):
+            lv = [node.id, node.spec.gpu_class]
+            in_flight.add_metric(lv, node.in_flight)
+            slots.add_metric(lv, node.slots)
+            decode.add_metric(lv, node.capacity.decode_slowdown)
+            prefill.add_metric(lv, node.capacity.prefill_slowdown)
+            if node.ttft.count:
+                ttft.add_metric(lv, node.ttft.value)
+            if node.tpot.count:
+                tpot.add_metric(lv, node.tpot.value)
+            capacity.add_metric(lv, _capacity_tokens_per_s(fleet, node))
+            for s in NodeState:
+                state.add_metric([*lv, s.value], 1.0 if node.state is s else 0.0)
+            mon = fleet.monitors.get(node.id)
+            if mon is None:
+                continue
+            up.add_metric(lv, 1.0 if mon.up else 0.0)
+            a = mon.metrics_age(now)
+            if a is not None:
+                age.add_metric(lv, a)
+                stale.add_metric(lv, 1.0 if mon.stale else 0.0)
+            if mon.sample is not None and not mon.stale:
+                running.add_metric(lv, mon.sample.running)
+                waiting.add_metric(lv, mon.sample.waiting)
+                if mon.sample.kv_usage >= 0:
+                    kv.add_metric(lv, mon.sample.kv_usage)
+        return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, up, running,
+                waiting, kv, age, stale]
+
+
+def _capacity_tokens_per_s(fleet: LiveFleet, node: Any) -> float:
+    """Decode tokens/s the node delivers at the largest batch that keeps its pool's TPOT SLO."""
+    models = node.spec.models
+    pool = fleet.balancer.pools.get(models[0]) if models else None
+    if pool is None:
+        return 0.0
+    slow = node.capacity.decode_slowdown
+    ctx = pool.mean_prompt + pool.mean_output * 0.5
+    batch = node.perf.max_batch_for_tpot(pool.config.slo.tpot_s / slow, ctx, limit=node.slots)
+    if batch <= 0:
+        return 0.0
+    return float(node.perf.decode_tokens_per_s(batch, ctx) / slow)
