@@ -127,9 +127,15 @@ class EngineDriver:
             self._timer = self._loop.call_at(self._t0 + nxt / self.time_scale, self._on_timer)
 
     def _on_timer(self) -> None:
+        due = self._timer_at
         self._timer = None
         self._timer_at = math.inf
-        self._deliver(self.engine.advance(self._now_e()))
+        now = self._now_e()
+        if now < due:
+            # Fired early (uvloop rounds timers to milliseconds): the step is due
+            # now, so do not spin re-arming for the sub-millisecond left.
+            self._last_e = now = due
+        self._deliver(self.engine.advance(now))
         self._arm()
 
     def stop(self) -> None:

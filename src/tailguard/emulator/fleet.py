@@ -1,44 +1,51 @@
 """Which engines to emulate: :class:`EmulatedNode`, built from the gateway's fleet file.
 
-One fleet file serves ``tailguard serve`` and ``tailguard emulate``. The
-emulator takes every node whose ``url`` points at this machine (``127.0.0.1``,
-``localhost``, ``::1``) and serves it on that URL's port; a local URL without a
-port gets the next free one of ``--base-port``, ``--base-port + 1``, ... in
-fleet order. Other nodes are real engines somewhere else and are skipped.
+One fleet file serves ``tailguard serve`` and ``tailguard emulate``, read by
+the same loader (:func:`tailguard.gateway.config.load_fleet`), so both accept
+and reject the same files. The emulator takes every node whose ``url`` points
+at this machine (``127.0.0.1``, ``localhost``, ``::1``) and serves it on that
+URL's port; a local URL without a port gets the next free one of
+``--base-port``, ``--base-port + 1``, ... in fleet order. Other nodes are real
+engines elsewhere and are skipped.
 
-Node keys used: ``id``, ``url``, ``gpu`` (catalog aliases accepted), ``tp``,
-``models`` (the served names; the first one the catalog knows, or the node's
-``catalog_model``, picks the roofline model, else ``llama-3.1-8b``),
-``engine`` (metrics dialect: vllm, sglang, trtllm, tgi), ``max_num_seqs``,
-``max_num_batched_tokens``, ``speed`` (a per-unit slowness, e.g. 0.8) and a
-``faults:`` schedule (see :mod:`tailguard.emulator.faults`).
+From each node: ``id``, ``gpu`` (catalog aliases accepted; the emulator needs
+a GPU the catalog knows), ``tp``, ``models`` (the served names),
+``engine`` (metrics dialect; none means vLLM), ``max_num_seqs``, ``faults``
+(see :mod:`tailguard.emulator.faults`) and an optional ``emulator:`` mapping:
 
-The file is read with the gateway's loader (:func:`tailguard.gateway.config.load_fleet`),
-so both commands accept and reject the same files; node objects are read by
-attribute or key, which keeps this adapter independent of the loader's
-classes.
+=========================== ====================================================
+``speed``                   this unit's speed, 1.0 nominal (0.8: a slow unit)
+``catalog_model``           the catalog model to time (default: the pool's
+                            ``catalog_model``, else the first served name the
+                            catalog knows, else ``llama-3.1-8b``)
+``max_num_batched_tokens``  engine token budget per step (vLLM's flag)
+``enable_chunked_prefill``  as vLLM's flag (default true)
+``kv_capacity_tokens``      override the KV cache size the roofline derives
+``block_size``              KV block size (default 16)
+=========================== ====================================================
+
+The fleet's top-level ``emulator:`` mapping gives defaults for those keys.
 """
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
-
-import yaml
 
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.emulator.faults import FaultSpec, parse_fault
 from tailguard.emulator.metrics import DIALECTS
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
+from tailguard.gateway.config import FleetConfig, NodeConfig, load_fleet
 
 DEFAULT_CATALOG_MODEL = "llama-3.1-8b"
-LOCAL_HOSTS = ("localhost",)
+NODE_KEYS = ("speed", "catalog_model", "max_num_batched_tokens", "enable_chunked_prefill",
+             "kv_capacity_tokens", "block_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,98 +73,118 @@ class EmulatedNode:
         return PerfModel(gpu, model, self.tp)
 
 
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
 def is_local(host: str | None) -> bool:
     if not host:
         return False
-    if host.lower() in LOCAL_HOSTS:
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
 
-def nodes_from_fleet(raw_nodes: Iterable[Any], base_port: int = 8100) -> list[EmulatedNode]:
-    """Emulated nodes for the local entries of a fleet's node list (objects or mappings)."""
+def _option(opts: Mapping[str, Any], defaults: Mapping[str, Any], key: str, where: str,
+            kind: type) -> Any:
+    if key in opts:
+        value, at = opts[key], f"{where}.emulator.{key}"
+    elif key in defaults:
+        value, at = defaults[key], f"emulator.{key}"
+    else:
+        return None
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    if not ok:
+        raise ConfigError(at, f"must be {'a number > 0' if kind is float else kind.__name__}, "
+                              f"got {value!r}")
+    return float(value) if kind is float else value
+
+
+def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
+                  port: int = 0) -> EmulatedNode:
+    """The emulation of one fleet node (any URL; the caller picks the local ones)."""
+    defaults: Mapping[str, Any] = fleet.emulator if fleet is not None else {}
+    opts = n.emulator
+    for key in opts:
+        if key not in NODE_KEYS:
+            raise ConfigError(f"{where}.emulator.{key}", "unknown key", list(NODE_KEYS))
+    catalog_model = _option(opts, defaults, "catalog_model", where, str)
+    if catalog_model is None and fleet is not None:
+        catalog_model = next((fleet.pool(m).catalog_model for m in n.models
+                              if fleet.pool(m).catalog_model), None)
+    dialect = n.engine or "vllm"
+    if dialect not in DIALECTS:
+        raise ConfigError(f"{where}.engine", f"no emulation for {dialect!r}", list(DIALECTS))
+    base = EngineConfig()
+    batched = _option(opts, defaults, "max_num_batched_tokens", where, int)
+    try:
+        cfg = EngineConfig(
+            max_num_seqs=n.max_num_seqs,
+            max_num_batched_tokens=batched if batched is not None
+            else max(base.max_num_batched_tokens, n.max_num_seqs),
+            enable_chunked_prefill=bool(_option(opts, defaults, "enable_chunked_prefill", where,
+                                                bool) is not False),
+            kv_capacity_tokens=_option(opts, defaults, "kv_capacity_tokens", where, int),
+            block_size=_option(opts, defaults, "block_size", where, int) or base.block_size,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.emulator.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
+    faults = tuple(parse_fault(f, f"{where}.faults[{j}]") for j, f in enumerate(n.faults))
+    node = EmulatedNode(id=n.id, gpu=n.gpu, models=n.models, port=port, tp=n.tp,
+                        catalog_model=catalog_model, dialect=dialect, engine=cfg,
+                        speed=_option(opts, defaults, "speed", where, float) or 1.0,
+                        faults=faults)
+    if DEFAULT_CATALOG.find_gpu(n.gpu) is None:
+        raise ConfigError(f"{where}.gpu", f"the emulator needs a catalog GPU, got {n.gpu!r}",
+                          [g.name for g in DEFAULT_CATALOG.gpus])
+    node.perf()  # fail now, with the node named, on an unknown catalog model
+    return node
+
+
+def nodes_from_fleet(fleet: FleetConfig, base_port: int = 8100) -> list[EmulatedNode]:
+    """Emulated nodes for the local entries of a fleet (see the module docstring)."""
     out: list[EmulatedNode] = []
     taken: set[int] = set()
-    unported: list[tuple[int, dict[str, Any]]] = []
-    for i, n in enumerate(raw_nodes):
+    unported: list[int] = []
+    for i, n in enumerate(fleet.nodes):
         where = f"nodes[{i}]"
-        url = str(_get(n, "url", ""))
-        parts = urlsplit(url)
-        if not is_local(parts.hostname):
+        url = _split(n.url)
+        if url is None or not is_local(url[0]):
             continue
-        node_id = str(_get(n, "id", f"node-{i}"))
-        models = _get(n, "models") or [DEFAULT_CATALOG_MODEL]
-        engine_kind = _get(n, "engine", "vllm")
-        if not isinstance(engine_kind, str):  # a loader may give an object with a kind/name
-            engine_kind = str(_get(engine_kind, "kind", _get(engine_kind, "name", "vllm")))
-        if engine_kind not in DIALECTS:
-            raise ConfigError(f"{where}.engine", f"no emulation for {engine_kind!r}", list(DIALECTS))
-        cfg = EngineConfig()
-        seqs = _get(n, "max_num_seqs")
-        batched = _get(n, "max_num_batched_tokens")
-        if seqs is not None or batched is not None:
-            s = int(seqs) if seqs is not None else cfg.max_num_seqs
-            b = int(batched) if batched is not None else max(cfg.max_num_batched_tokens, s)
-            cfg = EngineConfig(max_num_seqs=s, max_num_batched_tokens=b)
-        faults = tuple(parse_fault(f, f"{where}.faults[{j}]")
-                       for j, f in enumerate(_get(n, "faults") or []))
-        kwargs: dict[str, Any] = {
-            "id": node_id, "gpu": str(_get(n, "gpu")), "models": tuple(str(m) for m in models),
-            "tp": int(_get(n, "tp", 1) or 1), "catalog_model": _get(n, "catalog_model"),
-            "dialect": engine_kind, "engine": cfg, "speed": float(_get(n, "speed", 1.0) or 1.0),
-            "faults": faults,
-        }
-        node = EmulatedNode(**kwargs)
-        node.perf()  # fail now, with the node named, on an unknown GPU or model
-        try:
-            port = parts.port
-        except ValueError as exc:
-            raise ConfigError(f"{where}.url", f"bad port in {url!r}") from exc
-        if port is None:
-            unported.append((len(out), kwargs))
-        else:
+        port = url[1]
+        if port is not None:
             if port in taken:
                 raise ConfigError(f"{where}.url", f"port {port} is used by another local node")
             taken.add(port)
-            node = EmulatedNode(**{**kwargs, "port": port})
-        out.append(node)
+        else:
+            unported.append(len(out))
+        out.append(emulated_node(n, where, fleet, port or 0))
     port = base_port
-    for idx, kwargs in unported:
+    for idx in unported:
         while port in taken:
             port += 1
         taken.add(port)
-        out[idx] = EmulatedNode(**{**kwargs, "port": port})
+        out[idx] = replace(out[idx], port=port)
     return out
+
+
+def _split(url: str) -> tuple[str, int | None] | None:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.hostname is None:
+        return None
+    # the URL's explicit port only: a default port (80) is not an engine's port
+    explicit = port if port is not None and f":{port}" in parts.netloc else None
+    return parts.hostname, explicit
 
 
 def load_emulated_nodes(path: str | Path, base_port: int = 8100) -> list[EmulatedNode]:
     """Read a fleet file with the gateway's loader and keep its local nodes."""
-    raw_nodes: Any
-    try:
-        # imported by name: the gateway package is optional for the emulator's users
-        gateway_config: Any = importlib.import_module("tailguard.gateway.config")
-    except ModuleNotFoundError:
-        gateway_config = None
-    if gateway_config is not None:
-        raw_nodes = _get(gateway_config.load_fleet(path), "nodes")
-    else:
-        try:
-            doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError("fleet", f"cannot read {path}: {exc}") from exc
-        raw_nodes = _get(doc, "nodes") if isinstance(doc, Mapping) else None
-        if not isinstance(raw_nodes, list):
-            raise ConfigError("nodes", "must be a list of nodes")
-    nodes = nodes_from_fleet(raw_nodes or [], base_port)
+    nodes = nodes_from_fleet(load_fleet(path), base_port)
     if not nodes:
         raise ConfigError("nodes", "no node has a url on 127.0.0.1/localhost to emulate")
     return nodes

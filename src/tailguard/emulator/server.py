@@ -29,6 +29,10 @@ What each fault does on the wire:
               the port is closed (connection refused) until the crash ends;
               the engine then restarts empty.
 
+In zero-delay mode (``speed`` infinite) there is no engine clock to slow
+down: ``errors``, ``hang`` and ``crash`` apply, ``throttle`` and ``stall`` do
+nothing.
+
 A client that disconnects cancels its request in the engine at once
 (``handler_cancellation``), which frees its batch slot and KV cache.
 """
@@ -70,17 +74,20 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 
 class _ActiveFault:
-    __slots__ = ("handles", "spec", "started")
+    __slots__ = ("end", "repeat", "spec", "start", "started")
 
     def __init__(self, spec: FaultSpec) -> None:
         self.spec = spec
         self.started = False
-        self.handles: list[asyncio.TimerHandle] = []
+        self.start: asyncio.TimerHandle | None = None
+        self.repeat: asyncio.TimerHandle | None = None  # the next pause of a periodic stall
+        self.end: asyncio.TimerHandle | None = None
 
     def cancel(self) -> None:
-        for h in self.handles:
-            h.cancel()
-        self.handles.clear()
+        for h in (self.start, self.repeat, self.end):
+            if h is not None:
+                h.cancel()
+        self.start = self.repeat = self.end = None
 
 
 class EngineServer:
@@ -103,6 +110,10 @@ class EngineServer:
         self.default_max_tokens = default_max_tokens
         self.eos = eos
         perf = node.perf()
+        if perf.kv_capacity_tokens < 2 * node.engine.block_size:
+            raise ConfigError(f"node {node.id}", f"{perf.model.name} does not fit on {node.tp} x "
+                              f"{perf.gpu.name} (no room for KV cache): raise tp or pick a "
+                              "smaller catalog_model")
         self.metrics = EngineMetrics(node.models[0], node.dialect, node.engine.block_size)
         self.driver = EngineDriver(perf, node.engine, self.metrics, time_scale=time_scale,
                                    base_speed=node.speed)
@@ -217,7 +228,7 @@ class EngineServer:
         entry = _ActiveFault(spec)
         self._faults.append(entry)
         if spec.at_s > 0:
-            entry.handles.append(self._loop.call_later(spec.at_s, self._begin, entry, None))
+            entry.start = self._loop.call_later(spec.at_s, self._begin, entry, None)
         else:
             self._begin(entry, keep)
 
@@ -234,17 +245,17 @@ class EngineServer:
         if spec.kind == "stall":
             self.driver.stall(spec.seconds)
             if spec.period_s is not None:
-                entry.handles.append(self._loop.call_later(spec.period_s, self._repeat_stall, entry))
+                entry.repeat = self._loop.call_later(spec.period_s, self._repeat_stall, entry)
             elif spec.duration_s is None:
                 self._faults.remove(entry)  # a single pause: nothing stays active
         if spec.duration_s is not None:
-            entry.handles.append(self._loop.call_later(spec.duration_s, self._end, entry))
+            entry.end = self._loop.call_later(spec.duration_s, self._end, entry)
         self._apply(keep)
 
     def _repeat_stall(self, entry: _ActiveFault) -> None:
         assert self._loop is not None and entry.spec.period_s is not None
         self.driver.stall(entry.spec.seconds)
-        entry.handles.append(self._loop.call_later(entry.spec.period_s, self._repeat_stall, entry))
+        entry.repeat = self._loop.call_later(entry.spec.period_s, self._repeat_stall, entry)
 
     def _end(self, entry: _ActiveFault) -> None:
         entry.cancel()

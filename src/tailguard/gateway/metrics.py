@@ -147,11 +147,6 @@ class GatewayMetrics:
     def on_event(self, ev: Event) -> None:
         self.events.labels(ev.kind, ev.state).inc()
 
-    def forget_node(self, node: str) -> None:
-        """Drop a removed node's cached children (its series stay until restart)."""
-        for key in [k for k in self._nodes if k[1] == node]:
-            del self._nodes[key]
-
 
 class FleetCollector:
     """Per-node gauges, read from the live fleet when Prometheus scrapes."""
@@ -201,7 +196,7 @@ class FleetCollector:
                 ttft.add_metric(lv, node.ttft.value)
             if node.tpot.count:
                 tpot.add_metric(lv, node.tpot.value)
-            capacity.add_metric(lv, _capacity_tokens_per_s(fleet, node))
+            capacity.add_metric(lv, capacity_tokens_per_s(fleet, node))
             for s in NodeState:
                 state.add_metric([*lv, s.value], 1.0 if node.state is s else 0.0)
             mon = fleet.monitors.get(node.id)
@@ -221,7 +216,7 @@ class FleetCollector:
                 waiting, kv, age, stale]
 
 
-def _capacity_tokens_per_s(fleet: LiveFleet, node: Any) -> float:
+def capacity_tokens_per_s(fleet: LiveFleet, node: Any) -> float:
     """Decode tokens/s the node delivers at the largest batch that keeps its pool's TPOT SLO."""
     models = node.spec.models
     pool = fleet.balancer.pools.get(models[0]) if models else None

@@ -14,6 +14,8 @@ share of the 100 failed.
 
 from __future__ import annotations
 
+_ONE = 1.0 - 1e-9  # five deposits of 0.2 make one token despite rounding
+
 
 class RetryBudget:
     __slots__ = ("_t", "balance", "cap", "min_per_s", "ratio", "reserve")
@@ -37,10 +39,10 @@ class RetryBudget:
             r = self.reserve + (now - self._t) * self.min_per_s
             self.reserve = r if r < self.min_per_s else self.min_per_s
         self._t = now
-        if self.balance >= 1.0:
+        if self.balance >= _ONE:
             self.balance -= 1.0
             return True
-        if self.reserve >= 1.0:
+        if self.reserve >= _ONE:
             self.reserve -= 1.0
             return True
         return False

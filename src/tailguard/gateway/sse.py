@@ -5,10 +5,10 @@ To learn how many tokens it carried it only counts events: every event starts
 a line with ``data:``, i.e. it is the start of the stream or follows ``\\n``.
 Model text cannot fake one, because a newline inside a JSON string is the
 two characters ``\\n``. Network chunks may split the marker, so the last five
-bytes of each chunk are kept and searched together with the next chunk's
-first five.
+bytes of the stream so far are kept and searched together with the next
+chunk's first five.
 
-At the end, the last few chunks are searched for the usage chunk that engines
+At the end, the stream's last 2 KiB are searched for the usage chunk that engines
 send with ``stream_options.include_usage`` (or vLLM's continuous usage stats):
 ``"completion_tokens": N`` there is exact. Without it the estimate is the
 number of content events: all events minus the ``[DONE]`` marker (engines
@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 
 _MARK = b"\ndata:"
-_HEAD = b"data:"
 _CARRY = len(_MARK) - 1
+_TAIL = 2048  # enough for a usage chunk and [DONE]
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
@@ -38,31 +38,25 @@ def usage_completion_tokens(body: bytes) -> int | None:
 class SseCounter:
     """Counts the events of one stream; feed it every chunk, in order."""
 
-    __slots__ = ("_carry", "_prev", "_prev2", "events", "started")
+    __slots__ = ("_carry", "_tail", "events")
 
     def __init__(self) -> None:
         self.events = 0
-        self.started = False
-        self._carry = b""
-        self._prev = b""
-        self._prev2 = b""
+        # The stream's start counts as a line start: a virtual newline before it.
+        self._carry = b"\n"
+        self._tail = b""
 
     def feed(self, chunk: bytes) -> None:
-        if not self.started:
-            self.started = True
-            if chunk.startswith(_HEAD):
-                self.events += 1
-        elif self._carry:
-            # A marker split across the previous chunk and this one.
-            self.events += (self._carry + chunk[:_CARRY]).count(_MARK)
-        self.events += chunk.count(_MARK)
-        self._carry = chunk[-_CARRY:]
-        self._prev2 = self._prev
-        self._prev = chunk
+        # Markers that start in the last bytes of the stream so far and end in
+        # this chunk (a whole marker cannot fit in either part alone).
+        carry = self._carry
+        self.events += (carry + chunk[:_CARRY]).count(_MARK) + chunk.count(_MARK)
+        self._carry = chunk[-_CARRY:] if len(chunk) >= _CARRY else (carry + chunk)[-_CARRY:]
+        self._tail = chunk if len(chunk) >= _TAIL else (self._tail + chunk)[-_TAIL:]
 
     def output_tokens(self) -> int:
         """Exact from the usage chunk when present, else the content-event count."""
-        tail = self._prev2 + self._prev
+        tail = self._tail
         exact = usage_completion_tokens(tail)
         if exact is not None:
             return exact

@@ -1,0 +1,170 @@
+"""The admin API: look at the live fleet and change it at run time.
+
+Off unless ``admin.token_env`` names an environment variable holding a token
+(every route then answers 404). Each request must carry
+``Authorization: Bearer <token>``, compared in constant time (401 otherwise).
+
+* ``GET /admin/nodes``: the live state of every node (GPU, state, in flight,
+  capacity estimate, TTFT/TPOT estimates, scraped engine metrics, health).
+* ``POST /admin/nodes``: register a node; the body is one ``nodes:`` entry of
+  the fleet file. Its URL's host must be in ``admin.allow`` (hosts or CIDR
+  networks), else 400: the gateway must not become a way to reach arbitrary
+  hosts. 409 for an id in use.
+* ``POST /admin/nodes/{id}/drain``: no new requests; in-flight ones finish.
+* ``POST /admin/nodes/{id}/resume``: back into rotation after a drain.
+* ``DELETE /admin/nodes/{id}``: drain, then remove once idle (202).
+
+Registered nodes live until removed or restart; a reload of the fleet file
+leaves them alone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from tailguard.core.fleet import Node, NodeState
+from tailguard.errors import ConfigError
+from tailguard.gateway.api_errors import error_response
+from tailguard.gateway.config import parse_node
+from tailguard.gateway.live_fleet import LiveFleet
+from tailguard.gateway.metrics import capacity_tokens_per_s
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(data, indent=1),
+                        content_type="application/json")
+
+
+class AdminApi:
+    def __init__(self, fleet: LiveFleet) -> None:
+        self.fleet = fleet
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/admin/nodes", self._guard(self.list_nodes)),
+            web.post("/admin/nodes", self._guard(self.register)),
+            web.post("/admin/nodes/{id}/drain", self._guard(self.drain)),
+            web.post("/admin/nodes/{id}/resume", self._guard(self.resume)),
+            web.delete("/admin/nodes/{id}", self._guard(self.delete)),
+        ]
+
+    def _guard(self, handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            token = self.fleet.config.admin.token()
+            if token is None:
+                return error_response(404, "the admin API is off (set admin.token_env and the "
+                                           "variable it names)", "admin_disabled")
+            header = request.headers.get("Authorization", "")
+            given = header[7:].strip() if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return error_response(401, "admin token missing or wrong "
+                                           "(Authorization: Bearer ...)", "invalid_admin_token")
+            return await handler(request)
+
+        return guarded
+
+    def _node(self, request: web.Request) -> Node | None:
+        return self.fleet.balancer.nodes.get(request.match_info["id"])
+
+    async def list_nodes(self, request: web.Request) -> web.StreamResponse:
+        return _json({"nodes": [self.describe(n) for n in self.fleet.balancer.nodes.values()]})
+
+    async def register(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.json()
+        except ValueError:
+            return error_response(400, "the body must be a JSON node entry", "invalid_json")
+        try:
+            node = parse_node(raw, "node", self.fleet.config.catalog)
+        except ConfigError as exc:
+            return error_response(400, str(exc), "invalid_node")
+        if not self.fleet.config.admin.url_allowed(node.url):
+            allow = ", ".join(self.fleet.config.admin.allow) or "(empty: set admin.allow)"
+            return error_response(400, f"node.url {node.url!r} is not in the allow-list "
+                                       f"({allow})", "url_not_allowed")
+        if node.id in self.fleet.balancer.nodes:
+            return error_response(409, f"node id {node.id!r} is in use", "node_exists")
+        self.fleet.add_node(node, dynamic=True)
+        return _json(self.describe(self.fleet.balancer.nodes[node.id]), 201)
+
+    async def drain(self, request: web.Request) -> web.StreamResponse:
+        node = self._node(request)
+        if node is None:
+            return error_response(404, "no such node", "node_not_found")
+        self.fleet.set_state(node.id, NodeState.DRAINING)
+        return _json(self.describe(node))
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        node = self._node(request)
+        if node is None:
+            return error_response(404, "no such node", "node_not_found")
+        if self.fleet.retiring(node.id):
+            return error_response(409, "the node is being removed", "node_retiring")
+        self.fleet.set_state(node.id, NodeState.HEALTHY)
+        return _json(self.describe(node))
+
+    async def delete(self, request: web.Request) -> web.StreamResponse:
+        node = self._node(request)
+        if node is None:
+            return error_response(404, "no such node", "node_not_found")
+        self.fleet.retire(node.id)
+        return _json(self.describe(node), 202)
+
+    def describe(self, node: Node) -> dict[str, Any]:
+        fleet = self.fleet
+        cfg = fleet.nodes.get(node.id)
+        mon = fleet.monitors.get(node.id)
+        now = time.monotonic()
+        engine: dict[str, Any] | None = None
+        health: dict[str, Any] | None = None
+        if mon is not None:
+            age = mon.metrics_age(now)
+            engine = {
+                "engine": mon.engine,
+                "running": mon.sample.running if mon.sample else None,
+                "waiting": mon.sample.waiting if mon.sample else None,
+                "kv_usage": mon.sample.kv_usage if mon.sample and mon.sample.kv_usage >= 0
+                else None,
+                "age_s": round(age, 3) if age is not None else None,
+                "stale": mon.stale,
+                "missing": mon.metrics_missing,
+                "scrape_errors": mon.scrape_errors,
+            }
+            health = {"up": mon.up, "checks_failed": mon.checks_failed,
+                      "last_error": mon.last_error}
+        return {
+            "id": node.id,
+            "url": cfg.url if cfg else node.spec.url,
+            "gpu": node.spec.gpu_name,
+            "gpu_class": node.spec.gpu_class,
+            "gpu_known": node.spec.gpu is not None,
+            "tp": node.spec.tp,
+            "models": list(node.spec.models),
+            "labels": dict(node.spec.labels),
+            "state": node.state.value,
+            "registered": node.id in fleet.dynamic,
+            "retiring": fleet.retiring(node.id),
+            "in_flight": node.in_flight,
+            "prefilling": node.prefilling,
+            "decoding": node.decoding,
+            "slots": node.slots,
+            "dispatched_total": node.dispatched_total,
+            "capacity": {
+                "decode_slowdown": node.capacity.decode_slowdown,
+                "prefill_slowdown": node.capacity.prefill_slowdown,
+                "tokens_per_s": capacity_tokens_per_s(fleet, node),
+            },
+            "ttft_s": node.ttft.value if node.ttft.count else None,
+            "tpot_s": node.tpot.value if node.tpot.count else None,
+            "latency_s": node.latency.decayed(now),
+            "engine_metrics": engine,
+            "health": health,
+        }

@@ -1,0 +1,203 @@
+"""The gateway application: routes, background work, and how to run it.
+
+:func:`build_app` wires one :class:`~tailguard.gateway.live_fleet.LiveFleet`
+(the balancer and the fleet's state), the :class:`~tailguard.gateway.proxy.Proxy`
+(the ``/v1`` request path), the :class:`~tailguard.gateway.admin.AdminApi`,
+the Prometheus registry and the fleet-file reloader into an
+:class:`aiohttp.web.Application`. Its startup opens the one upstream
+:class:`aiohttp.ClientSession` (a keep-alive pool per node, no global cap: the
+balancer decides how much each node gets) and starts the monitors and the
+balancer's tick; its cleanup stops them after in-flight requests ended.
+
+:func:`run_gateway` runs it on a socket for tests, demos and benchmarks::
+
+    async with run_gateway(load_fleet("fleet.yaml"), port=0) as gw:
+        print(gw.url)          # http://127.0.0.1:<free port>
+        gw.fleet.balancer      # the live decision core
+
+``tailguard serve`` (:mod:`tailguard.gateway.server`) runs the same app on
+uvloop with signal handling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from random import Random
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tailguard.gateway.admin import AdminApi
+from tailguard.gateway.api_errors import error_response
+from tailguard.gateway.config import FleetConfig
+from tailguard.gateway.live_fleet import LiveFleet
+from tailguard.gateway.metrics import GatewayMetrics
+from tailguard.gateway.proxy import Proxy
+from tailguard.gateway.reload import ConfigReloader
+
+log = logging.getLogger("tailguard.gateway")
+
+FLEET = web.AppKey("fleet", LiveFleet)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+PROXY = web.AppKey("proxy", Proxy)
+RELOADER = web.AppKey("reloader", ConfigReloader)
+
+# Shorter than the 5 s keep-alive of uvicorn (vLLM, SGLang) so that the
+# gateway never reuses a connection the engine is closing at that moment.
+UPSTREAM_KEEPALIVE_S = 4.0
+# aiohttp's own body limit is lifted: the proxy enforces max_body_bytes with an
+# OpenAI-shaped 413, and the limit can change on reload.
+_NO_AIOHTTP_BODY_LIMIT = 1 << 40
+
+
+def build_app(config: FleetConfig, rng: Random | None = None) -> web.Application:
+    """The gateway for ``config``; ``rng`` seeds the routing policies' randomness."""
+    fleet = LiveFleet(config, rng)
+    metrics = GatewayMetrics(fleet)
+    proxy = Proxy(fleet, metrics)
+    reloader = ConfigReloader(fleet, metrics)
+    admin = AdminApi(fleet)
+    app = web.Application(client_max_size=_NO_AIOHTTP_BODY_LIMIT)
+    app[FLEET] = fleet
+    app[METRICS] = metrics
+    app[PROXY] = proxy
+    app[RELOADER] = reloader
+    started = time.time()
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        data = [{"id": m, "object": "model", "created": int(started), "owned_by": "tailguard"}
+                for m in fleet.served_models()]
+        return web.Response(text=json.dumps({"object": "list", "data": data}),
+                            content_type="application/json")
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")
+
+    async def ready(request: web.Request) -> web.StreamResponse:
+        if fleet.ready():
+            return web.Response(text="ready\n")
+        return error_response(503, "no routable node", "not_ready", headers={"Retry-After": "1"})
+
+    async def prometheus(request: web.Request) -> web.StreamResponse:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def unknown_route(request: web.Request) -> web.StreamResponse:
+        return error_response(404, f"no route {request.method} {request.path}", "not_found")
+
+    app.add_routes([
+        web.post("/v1/chat/completions", proxy.chat),
+        web.post("/v1/completions", proxy.completions),
+        web.post("/v1/embeddings", proxy.embeddings),
+        web.get("/v1/models", models),
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/metrics", prometheus),
+        *admin.routes(),
+        web.route("*", "/v1/{tail:.*}", unknown_route),
+    ])
+
+    async def startup(app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                         keepalive_timeout=UPSTREAM_KEEPALIVE_S,
+                                         ttl_dns_cache=60)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                        timeout=aiohttp.ClientTimeout(total=None))
+        proxy.session = session
+        await fleet.start(session)
+        reloader.start()
+        for w in config.warnings:
+            log.warning("%s", w)
+
+    async def cleanup(app: web.Application) -> None:
+        await reloader.stop()
+        await fleet.stop()
+        if proxy.session is not None:
+            await proxy.session.close()
+            proxy.session = None
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class RunningGateway:
+    """A gateway serving on a socket (what :func:`run_gateway` yields)."""
+
+    app: web.Application
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8080`` (the OpenAI base_url is ``url + "/v1"``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def fleet(self) -> LiveFleet:
+        return self.app[FLEET]
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        return self.app[METRICS]
+
+    @property
+    def reloader(self) -> ConfigReloader:
+        return self.app[RELOADER]
+
+
+def make_runner(app: web.Application, shutdown_timeout_s: float,
+                access_log: bool = False) -> web.AppRunner:
+    """The runner both ``serve`` and :func:`run_gateway` use.
+
+    Handlers are cancelled when their client disconnects, so an abandoned
+    request stops its upstream generation at once (the proxy's ``finally``
+    releases the permit); no access log by default (it costs ~10% of the
+    request path).
+    """
+    if access_log:
+        return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s)
+    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s,
+                         access_log=None)
+
+
+async def start_gateway(config: FleetConfig, host: str | None = None, port: int | None = None,
+                        rng: Random | None = None, access_log: bool = False) -> RunningGateway:
+    """Start serving ``config`` (``host``/``port`` override ``listen``; port 0: a free one)."""
+    app = build_app(config, rng)
+    runner = make_runner(app, config.shutdown_timeout_s, access_log)
+    await runner.setup()
+    bind_host = host if host is not None else config.listen[0]
+    bind_port = port if port is not None else config.listen[1]
+    site = web.TCPSite(runner, bind_host, bind_port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    actual = bind_port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            actual = int(addr[1])
+            break
+    return RunningGateway(app, runner, bind_host, actual)
+
+
+@asynccontextmanager
+async def run_gateway(config: FleetConfig, host: str = "127.0.0.1", port: int = 0,
+                      rng: Random | None = None) -> AsyncIterator[RunningGateway]:
+    """Serve ``config`` on ``host:port`` (0: a free port) for the ``async with`` body."""
+    gw = await start_gateway(config, host, port, rng)
+    try:
+        yield gw
+    finally:
+        await gw.runner.cleanup()

@@ -1,0 +1,39 @@
+"""``tailguard serve --config fleet.yaml [--listen HOST:PORT] [--log-level LEVEL]``.
+
+The main CLI (:mod:`tailguard.cli`) calls :func:`add_parser`; a
+:class:`~tailguard.errors.ConfigError` raised here (an invalid fleet file or
+``--listen``) becomes exit code 2 with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tailguard.gateway.config import load_fleet, parse_listen
+    from tailguard.gateway.server import serve
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_fleet(args.config)
+    host, port = config.listen
+    if args.listen:
+        host, port = parse_listen(args.listen, "--listen")
+    return serve(config, host, port, access_log=args.access_log)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the gateway in front of a fleet of engines",
+                       description="Run the OpenAI-compatible gateway described by a fleet "
+                                   "file. SIGHUP (or editing the file) reloads it; SIGTERM "
+                                   "drains and stops.")
+    p.add_argument("--config", "-c", required=True, help="the fleet file (YAML)")
+    p.add_argument("--listen", help="HOST:PORT to listen on (overrides the file's listen)")
+    p.add_argument("--log-level", default=os.environ.get("TAILGUARD_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true",
+                   help="log every request (costs throughput)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,423 @@
+"""The request path: route an OpenAI request to a node, forward it, account for it.
+
+For ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``:
+
+1. **Admit**: API key (when configured), body size (413 over
+   ``max_body_bytes``), JSON and the fields routing needs (400, see
+   :mod:`~tailguard.gateway.openai_request`), a served model (404).
+2. **Pick**: ``balancer.pick`` returns a :class:`~tailguard.core.balancer.Ticket`
+   (a permit on one node) or None (503 with ``Retry-After``).
+3. **Forward** the client's bytes unchanged, with its headers minus the
+   hop-by-hop ones, on the shared keep-alive session.
+4. **Fail over** while nothing has reached the client yet: a connect error,
+   a timeout, a 5xx or a 429 releases the ticket with its origin and picks
+   another node not tried yet, within ``retries.attempts`` and the pool's
+   :class:`~tailguard.gateway.retry_budget.RetryBudget`. A streamed answer is
+   committed only when its first chunk arrived, so an engine that accepts the
+   connection and then dies before the first token is failed over too. Once a
+   byte went out, never: a later failure ends the stream with
+   ``data: {"error": ...}``.
+5. **Stream** SSE through as it arrives, byte for byte: per chunk the proxy
+   counts ``data:`` events (:class:`~tailguard.gateway.sse.SseCounter`),
+   notes the gap since the previous chunk and pushes the idle deadline; it
+   never parses a chunk's JSON.
+6. **Account**: ``on_first_token`` at the first streamed chunk,
+   ``on_finish`` exactly once per ticket with the outcome's origin and the
+   output tokens (the usage chunk or body when present, else counted events),
+   in a ``finally`` so that a client disconnect (the handler is cancelled),
+   a timeout or an upstream error all release it.
+
+Timeouts (per pool): ``connect_s`` for the TCP connect; ``first_byte_s``
+until a stream's first chunk; ``idle_s`` between chunks; ``total_s`` for the
+request, retries included. A non-streamed answer only arrives once it is
+complete, so only ``total_s`` bounds it.
+
+Non-streamed answers give the core no first-token time: their tickets finish
+without ``on_first_token`` (the core then learns only the end-to-end latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from tailguard.core.balancer import Ticket
+from tailguard.core.fleet import Outcome
+from tailguard.gateway.api_errors import NODE_HEADER, error_response, sse_error_event
+from tailguard.gateway.config import NodeConfig, PoolSettings, Timeouts
+from tailguard.gateway.live_fleet import LiveFleet
+from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
+from tailguard.gateway.openai_request import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    PATHS,
+    InvalidRequest,
+    RoutedRequest,
+    parse_request,
+)
+from tailguard.gateway.sse import SseCounter, usage_completion_tokens
+
+# Headers that describe one hop, not the message (RFC 9110 7.6.1), plus those
+# the client library sets itself. Accept-Encoding is replaced by "identity":
+# compressing on a LAN costs more than it saves, and usage must stay readable.
+_REQUEST_SKIP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
+})
+_RESPONSE_SKIP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "content-length", "date", "server",
+})
+CLIENT_CLOSED = 499  # nginx's code for "the client went away", used in metrics only
+PRIORITY_HEADER = "x-tailguard-priority"
+RETRY_AFTER_S = "1"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed attempt that nothing was sent to the client for: it may be retried."""
+
+    origin: Outcome
+    status: int  # what the client gets if no retry succeeds
+    message: str
+    code: str
+    retry_after: str | None = None
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class Proxy:
+    """The ``/v1`` POST handlers of one gateway."""
+
+    def __init__(self, fleet: LiveFleet, metrics: GatewayMetrics) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, COMPLETIONS)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, EMBEDDINGS)
+
+    # -- admission -------------------------------------------------------------
+
+    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        t0 = time.monotonic()
+        cfg = self.fleet.config
+        if cfg.api_keys and not authorized(request, cfg.api_keys):
+            self.metrics.request_done(INVALID_POOL, 401)
+            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                  "invalid_api_key")
+        limit = cfg.max_body_bytes
+        length = request.content_length
+        body: bytes | None
+        if length is not None:
+            body = None if length > limit else await request.read()
+        else:
+            body = await _read_limited(request, limit)
+        if body is None:
+            self.metrics.request_done(INVALID_POOL, 413)
+            resp = error_response(413, f"the request body exceeds {limit} bytes", "body_too_large")
+            resp.force_close()  # do not read the rest of a huge body to keep the connection
+            return resp
+        try:
+            req = parse_request(endpoint, body)
+        except InvalidRequest as exc:
+            self.metrics.request_done(INVALID_POOL, 400)
+            return error_response(400, str(exc), exc.code)
+        if not self.fleet.serves(req.model):
+            self.metrics.request_done(UNKNOWN_POOL, 404)
+            served = ", ".join(self.fleet.served_models()[:20])
+            return error_response(404, f"the model {req.model!r} does not exist "
+                                       f"(served: {served})", "model_not_found")
+        try:
+            return await self._forward(request, endpoint, body, req, t0)
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels the handler); tickets are
+            # released by the attempt's finally.
+            self.metrics.request_done(req.model, CLIENT_CLOSED)
+            raise
+
+    # -- routing and failover ----------------------------------------------------
+
+    async def _forward(self, request: web.Request, endpoint: str, body: bytes,
+                       req: RoutedRequest, t0: float) -> web.StreamResponse:
+        fleet = self.fleet
+        balancer = fleet.balancer
+        model = req.model
+        settings = fleet.pool_settings(model)
+        budget = fleet.budget(model)
+        budget.deposit()
+        deadline = asyncio.get_running_loop().time() + settings.timeouts.total_s
+        headers = self._upstream_headers(request)
+        priority = _priority(request)
+        tried: list[str] = []
+        failure: Failure | None = None
+        for attempt in range(settings.retries.attempts):
+            now = time.monotonic()
+            if attempt and not budget.try_spend(now):
+                break
+            ticket = balancer.pick(model, req.prompt_tokens, now, req.max_tokens, priority,
+                                   tried)
+            if ticket is None:
+                break
+            node = fleet.nodes.get(ticket.node_id)
+            if node is None:  # cannot happen: the fleet adds nodes to both at once
+                balancer.on_finish(ticket, now, Outcome.CLIENT_ERROR, 0)
+                break
+            if failure is not None:
+                self.metrics.retry(model, failure.origin.value)
+            tried.append(node.id)
+            result = await self._attempt(request, endpoint, node, ticket, body, headers, req,
+                                         settings, deadline, t0)
+            if not isinstance(result, Failure):
+                return result
+            failure = result
+            self.metrics.upstream_error(node.id, failure.origin.value)
+        if failure is None:
+            self.metrics.request_done(model, 503)
+            return error_response(503, f"no node can take a request for {model!r} now",
+                                  "no_capacity", headers={"Retry-After": RETRY_AFTER_S})
+        self.metrics.request_done(model, failure.status)
+        extra = {"Retry-After": failure.retry_after} if failure.retry_after else None
+        return error_response(failure.status, failure.message, failure.code, tried[-1], extra)
+
+    def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
+        drop_auth = bool(self.fleet.config.api_keys)  # the client's key is the gateway's
+        out: CIMultiDict[str] = CIMultiDict()
+        for k, v in request.headers.items():
+            low = k.lower()
+            if low in _REQUEST_SKIP or (drop_auth and low == "authorization"):
+                continue
+            out.add(k, v)
+        out["Accept-Encoding"] = "identity"
+        return out
+
+    def _client_timeout(self, t: Timeouts) -> aiohttp.ClientTimeout:
+        ct = self._timeouts.get(t)
+        if ct is None:
+            ct = self._timeouts[t] = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s)
+        return ct
+
+    # -- one attempt on one node ---------------------------------------------------
+
+    async def _attempt(self, request: web.Request, endpoint: str, node: NodeConfig,
+                       ticket: Ticket, body: bytes, headers: CIMultiDict[str],
+                       req: RoutedRequest, settings: PoolSettings, deadline: float,
+                       t0: float) -> web.StreamResponse | Failure:
+        assert self.session is not None
+        balancer = self.fleet.balancer
+        loop = asyncio.get_running_loop()
+        to = settings.timeouts
+        # Whatever escapes below without setting it (a cancellation: the client
+        # went away) releases the ticket as cancelled by the client.
+        outcome = Outcome.CLIENT_CANCELLED
+        tokens = 0
+        resp: aiohttp.ClientResponse | None = None
+        key = node.upstream_api_key()
+        if key:
+            headers = headers.copy()
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            first_deadline = deadline
+            if req.stream:
+                first_deadline = min(deadline, loop.time() + to.first_byte_s)
+            payload = b""
+            try:
+                async with asyncio.timeout_at(first_deadline):
+                    resp = await self.session.post(node.url + PATHS[endpoint], data=body,
+                                                   headers=headers,
+                                                   timeout=self._client_timeout(to))
+                    streamed = (resp.status < 300
+                                and resp.content_type == "text/event-stream")
+                    if streamed:
+                        payload = await resp.content.readany()
+                    else:
+                        payload = await resp.read()
+            except aiohttp.ConnectionTimeoutError as exc:
+                outcome = Outcome.CONNECT_FAILURE
+                return Failure(outcome, 502, f"cannot connect to node {node.id}: {exc}",
+                               "upstream_connect_failed")
+            except TimeoutError:
+                outcome = Outcome.TIMEOUT
+                what = "first byte" if first_deadline < deadline else "answer"
+                return Failure(outcome, 504, f"node {node.id} sent no {what} in time",
+                               "upstream_timeout")
+            except (aiohttp.ClientError, OSError) as exc:
+                outcome = Outcome.CONNECT_FAILURE
+                return Failure(outcome, 502, f"node {node.id} failed: "
+                                             f"{type(exc).__name__}: {exc}", "upstream_error")
+            status = resp.status
+            if status >= 500:
+                outcome = Outcome.UPSTREAM_5XX
+                return Failure(outcome, 502, f"node {node.id} answered {status}: "
+                                             f"{_snippet(payload)}", "upstream_error")
+            if status == 429:
+                outcome = Outcome.UPSTREAM_429
+                return Failure(outcome, 503, f"node {node.id} is overloaded (429) and no other "
+                                             "node could take the request", "upstream_busy",
+                               resp.headers.get("Retry-After") or RETRY_AFTER_S)
+            if not streamed:
+                now = time.monotonic()
+                if status >= 400:  # the engine refused the request itself: pass it on
+                    outcome = Outcome.CLIENT_ERROR
+                else:
+                    outcome = Outcome.OK
+                    tokens = usage_completion_tokens(payload) or 0
+                    self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens)
+                balancer.on_finish(ticket, now, outcome, tokens)
+                self.metrics.request_done(req.model, status)
+                return web.Response(status=status, body=payload,
+                                    headers=_response_headers(resp, node.id))
+            if not payload:
+                outcome = Outcome.UPSTREAM_5XX
+                return Failure(outcome, 502, f"node {node.id} ended its stream before any data",
+                               "upstream_error")
+            # Committed: from here on, the client has the answer's first bytes.
+            outcome, tokens, out = await self._stream(request, node, ticket, resp, payload,
+                                                      req, to, deadline, t0)
+            return out
+        finally:
+            if not ticket.released:
+                balancer.on_finish(ticket, time.monotonic(), outcome, tokens)
+            if resp is not None:
+                if outcome is Outcome.OK or outcome is Outcome.CLIENT_ERROR:
+                    resp.release()  # read to the end: the connection is reusable
+                else:
+                    resp.close()
+
+    async def _stream(self, request: web.Request, node: NodeConfig, ticket: Ticket,
+                      resp: aiohttp.ClientResponse, first: bytes, req: RoutedRequest,
+                      to: Timeouts, deadline: float,
+                      t0: float) -> tuple[Outcome, int, web.StreamResponse]:
+        """Pass a stream through; returns the outcome, output tokens and the response."""
+        balancer = self.fleet.balancer
+        loop = asyncio.get_running_loop()
+        t_first = time.monotonic()
+        balancer.on_first_token(ticket, t_first)
+        out = web.StreamResponse(status=resp.status, headers=_response_headers(resp, node.id))
+        counter = SseCounter()
+        counter.feed(first)
+        try:
+            await out.prepare(request)
+            await out.write(first)
+        except ConnectionError:
+            self.metrics.request_done(req.model, CLIENT_CLOSED)
+            return Outcome.CLIENT_CANCELLED, counter.output_tokens(), out
+        last = t_first
+        max_gap = 0.0
+        idle = to.idle_s
+        content = resp.content
+        error: tuple[Outcome, int, str, str] | None = None
+        try:
+            timer = asyncio.timeout_at(min(deadline, loop.time() + idle))
+            async with timer:
+                while True:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    now = time.monotonic()
+                    if now - last > max_gap:
+                        max_gap = now - last
+                    last = now
+                    counter.feed(chunk)
+                    try:
+                        await out.write(chunk)
+                    except ConnectionError as exc:
+                        raise _ClientGone from exc
+                    when = loop.time() + idle
+                    timer.reschedule(when if when < deadline else deadline)
+        except _ClientGone:
+            self.metrics.request_done(req.model, CLIENT_CLOSED)
+            return Outcome.CLIENT_CANCELLED, counter.output_tokens(), out
+        except TimeoutError:
+            total = loop.time() >= deadline
+            error = (Outcome.TIMEOUT, 504,
+                     f"node {node.id} exceeded the request's total time" if total
+                     else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout")
+        except (aiohttp.ClientError, OSError) as exc:
+            error = (Outcome.CONNECT_FAILURE, 502,
+                     f"node {node.id} failed in the middle of the stream: "
+                     f"{type(exc).__name__}", "upstream_disconnected")
+        tokens = counter.output_tokens()
+        now = time.monotonic()
+        if error is not None:
+            origin, status, message, code = error
+            balancer.on_finish(ticket, now, origin, tokens)
+            self.metrics.upstream_error(node.id, origin.value)
+            self.metrics.request_done(req.model, status)
+            with contextlib.suppress(ConnectionError):  # the client may be gone too
+                await out.write(sse_error_event(status, message, code))
+                await out.write_eof()
+            return origin, tokens, out
+        balancer.on_finish(ticket, now, Outcome.OK, tokens)
+        tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
+        self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens,
+                              ttft=t_first - t0, tpot=tpot, max_gap=max_gap)
+        self.metrics.request_done(req.model, resp.status)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return Outcome.OK, tokens, out
+
+
+def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
+    """``Authorization: Bearer <key>`` with one of ``keys``, compared in constant time."""
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        return False
+    given = header[7:].strip().encode()
+    ok = False
+    for k in keys:  # no early exit: the time taken does not reveal which key matched
+        ok |= hmac.compare_digest(given, k.encode())
+    return ok
+
+
+async def _read_limited(request: web.Request, limit: int) -> bytes | None:
+    """A body without Content-Length (chunked), or None once it exceeds ``limit``."""
+    parts: list[bytes] = []
+    size = 0
+    async for data in request.content.iter_any():
+        size += len(data)
+        if size > limit:
+            return None
+        parts.append(data)
+    return b"".join(parts)
+
+
+def _priority(request: web.Request) -> int:
+    raw = request.headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return 1
+    return {"0": 0, "high": 0, "2": 2, "low": 2}.get(raw.strip().lower(), 1)
+
+
+def _response_headers(resp: aiohttp.ClientResponse, node_id: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in resp.headers.items():
+        if k.lower() not in _RESPONSE_SKIP:
+            out.add(k, v)
+    out[NODE_HEADER] = node_id
+    return out
+
+
+def _snippet(payload: bytes, limit: int = 200) -> str:
+    text = payload[:limit].decode("utf-8", "replace").strip()
+    return text + ("..." if len(payload) > limit else "") if text else "(empty body)"
+
+
+__all__ = ["Failure", "Proxy", "authorized"]
