@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tailguard sim scenarios/mixed.yaml
+	$(BIN)/tailguard demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -1,4 +1,4 @@
-"""Command line: ``tailguard sim | capacity | gpus | models`` (and the gateway commands).
+"""Command line: ``tailguard demo | serve | emulate | bench | sim | capacity | gpus | models``.
 
 Configuration errors exit with code 2 and one line naming the field; they never
 print a traceback.
@@ -166,16 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capacity)
 
     # Commands that live with their subsystem: each module has add_parser(sub).
-    import importlib
+    from tailguard import demo
+    from tailguard.bench import cli as bench_cli
+    from tailguard.emulator import cli as emulator_cli
+    from tailguard.gateway import cli as gateway_cli
 
-    for module in ("tailguard.gateway.cli", "tailguard.emulator.cli", "tailguard.bench.cli",
-                   "tailguard.demo"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module.startswith(exc.name):
-                raise
-            continue
+    for mod in (gateway_cli, emulator_cli, bench_cli, demo):
         mod.add_parser(sub)
 
     p = sub.add_parser("gpus", help="list the GPU catalog")
