@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from yarl import URL
 
 from tailguard.core.balancer import PoolConfig
@@ -53,6 +52,7 @@ from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, GPU, Catalog
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
 from tailguard.errors import ConfigError
+from tailguard.yaml_file import read_yaml
 
 #: Engines whose metric names the gateway knows (``None`` in a node: detect).
 ENGINES = ("vllm", "sglang", "trtllm", "tgi")
@@ -590,12 +590,4 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
 def load_fleet(path: str | Path, catalog: Catalog = DEFAULT_CATALOG) -> FleetConfig:
     """Read and check a fleet file; raises :class:`ConfigError` naming the field."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError("", f"cannot read fleet file {str(p)!r}: {exc.strerror}") from exc
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
-    return parse_fleet(raw, p.parent, catalog, p.resolve())
+    return parse_fleet(read_yaml(p, "fleet file"), p.parent, catalog, p.resolve())

@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfModel
 from tailguard.core.policies import Slo, policy_names
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
+from tailguard.yaml_file import read_yaml
 
 FAULT_KINDS = ("throttle", "stall", "crash", "error_rate", "slow_network")
 
@@ -311,12 +310,4 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
 
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError("", f"cannot read scenario {str(p)!r}: {exc.strerror}") from exc
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
-    return parse_scenario(raw, p.parent)
+    return parse_scenario(read_yaml(p, "scenario"), p.parent)
