@@ -40,19 +40,19 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from yarl import URL
 
+from tailguard.config_file import check_keys, read_yaml, require_mapping
 from tailguard.core.balancer import PoolConfig
 from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, GPU, Catalog
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
 from tailguard.errors import ConfigError
-from tailguard.yaml_file import read_yaml
 
 #: Engines whose metric names the gateway knows (``None`` in a node: detect).
 ENGINES = ("vllm", "sglang", "trtllm", "tgi")
@@ -260,21 +260,6 @@ class FleetConfig:
 # -- value checks ------------------------------------------------------------------
 
 
-def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, f"must be a mapping, got {type(raw).__name__}")
-    return raw
-
-
-def _check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    for key in raw:
-        if isinstance(key, str) and key.startswith("x-"):
-            continue
-        if key not in allowed:
-            raise ConfigError(f"{where}.{key}" if where else str(key), "unknown key",
-                              list(allowed))
-
-
 def _number(raw: Mapping[str, Any], key: str, where: str, default: float,
             minimum: float = 0.0, allow_zero: bool = False) -> float:
     value = raw.get(key)
@@ -363,8 +348,8 @@ def parse_url(raw: Any, where: str) -> str:
 def parse_slo(raw: Any, where: str) -> Slo:
     if raw is None:
         return Slo()
-    m = _mapping(raw, where)
-    _check_keys(m, ("ttft_s", "tpot_s", "attainment"), where)
+    m = require_mapping(raw, where)
+    check_keys(m, ("ttft_s", "tpot_s", "attainment"), where, extensions=True)
     base = Slo()
     att = _number(m, "attainment", where, base.attainment)
     if att > 1.0:
@@ -376,8 +361,8 @@ def parse_slo(raw: Any, where: str) -> Slo:
 def parse_timeouts(raw: Any, where: str) -> Timeouts:
     if raw is None:
         return Timeouts()
-    m = _mapping(raw, where)
-    _check_keys(m, ("connect_s", "first_byte_s", "idle_s", "total_s"), where)
+    m = require_mapping(raw, where)
+    check_keys(m, ("connect_s", "first_byte_s", "idle_s", "total_s"), where, extensions=True)
     b = Timeouts()
     return Timeouts(_number(m, "connect_s", where, b.connect_s),
                     _number(m, "first_byte_s", where, b.first_byte_s),
@@ -390,8 +375,8 @@ def parse_retries(raw: Any, where: str) -> RetrySettings:
         return RetrySettings()
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = {"attempts": raw}
-    m = _mapping(raw, where)
-    _check_keys(m, ("attempts", "budget", "min_per_s"), where)
+    m = require_mapping(raw, where)
+    check_keys(m, ("attempts", "budget", "min_per_s"), where, extensions=True)
     b = RetrySettings()
     budget = _number(m, "budget", where, b.budget, allow_zero=True)
     if budget > 1.0:
@@ -401,12 +386,12 @@ def parse_retries(raw: Any, where: str) -> RetrySettings:
 
 
 def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG) -> PoolSettings:
-    m = _mapping(raw if raw is not None else {}, where)
-    _check_keys(m, POOL_KEYS, where)
+    m = require_mapping(raw if raw is not None else {}, where)
+    check_keys(m, POOL_KEYS, where, extensions=True)
     policy = _string(m, "policy", where, DEFAULT_POLICY)
     if policy not in policy_names():
         raise ConfigError(f"{where}.policy", f"unknown policy {policy!r}", policy_names())
-    options = dict(_mapping(m.get("policy_options") or {}, f"{where}.policy_options"))
+    options = dict(require_mapping(m.get("policy_options") or {}, f"{where}.policy_options"))
     slo = parse_slo(m.get("slo"), f"{where}.slo")
     # Build the policy once so a bad option fails at load, not on the first request.
     make_policy(policy, slo, options, field=f"{where}.policy_options")
@@ -424,8 +409,8 @@ def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATAL
 def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
                warnings: list[str] | None = None) -> NodeConfig:
     """One ``nodes:`` entry (also the body of ``POST /admin/nodes``)."""
-    m = _mapping(raw, where)
-    _check_keys(m, NODE_KEYS, where)
+    m = require_mapping(raw, where)
+    check_keys(m, NODE_KEYS, where, extensions=True)
     node_id = m.get("id")
     if isinstance(node_id, int) and not isinstance(node_id, bool):
         node_id = str(node_id)
@@ -451,7 +436,7 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
     engine = m.get("engine")
     if engine is not None and engine not in ENGINES:
         raise ConfigError(f"{where}.engine", f"unknown engine {engine!r}", [*ENGINES, "(omit: detect)"])
-    labels = _mapping(m.get("labels") or {}, f"{where}.labels")
+    labels = require_mapping(m.get("labels") or {}, f"{where}.labels")
     weight = m.get("weight")
     if weight is not None:
         weight = _number(m, "weight", where, 1.0)
@@ -461,11 +446,11 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
     faults_raw = m.get("faults") or []
     if not isinstance(faults_raw, list):
         raise ConfigError(f"{where}.faults", "must be a list of {kind, at_s, duration_s, ...}")
-    faults = tuple(_mapping(f, f"{where}.faults[{i}]") for i, f in enumerate(faults_raw))
+    faults = tuple(require_mapping(f, f"{where}.faults[{i}]") for i, f in enumerate(faults_raw))
     for i, f in enumerate(faults):
         if not isinstance(f.get("kind"), str):
             raise ConfigError(f"{where}.faults[{i}].kind", "is required")
-    emulator = _mapping(m.get("emulator") or {}, f"{where}.emulator")
+    emulator = require_mapping(m.get("emulator") or {}, f"{where}.emulator")
     return NodeConfig(
         id=node_id, url=url, gpu=gpu, gpu_spec=gpu_spec, models=tuple(models_raw),
         tp=_integer(m, "tp", where, 1), engine=engine,
@@ -496,8 +481,8 @@ def _parse_api_keys(m: Mapping[str, Any]) -> tuple[str, ...]:
 def parse_admin(raw: Any) -> AdminConfig:
     if raw is None:
         return AdminConfig()
-    m = _mapping(raw, "admin")
-    _check_keys(m, ("token_env", "allow"), "admin")
+    m = require_mapping(raw, "admin")
+    check_keys(m, ("token_env", "allow"), "admin", extensions=True)
     token_env = m.get("token_env")
     if token_env is not None:
         token_env = _string(m, "token_env", "admin")
@@ -527,11 +512,11 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
     are used yet; the parameter keeps the loader's signature stable).
     """
     del base_dir
-    m = _mapping(raw if raw is not None else {}, "fleet")
-    _check_keys(m, FLEET_KEYS, "")
+    m = require_mapping(raw if raw is not None else {}, "fleet")
+    check_keys(m, FLEET_KEYS, "", extensions=True)
     warnings: list[str] = []
     if "catalog" in m:
-        catalog = catalog.extend(_mapping(m["catalog"], "catalog"))
+        catalog = catalog.extend(require_mapping(m["catalog"], "catalog"))
     nodes_raw = m.get("nodes")
     if nodes_raw is None:
         nodes_raw = []
@@ -545,30 +530,30 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
             raise ConfigError(f"nodes[{i}].id", f"duplicate node id {node.id!r}")
         seen.add(node.id)
         nodes.append(node)
-    pools_raw = _mapping(m.get("pools") or {}, "pools")
+    pools_raw = require_mapping(m.get("pools") or {}, "pools")
     served = {model for n in nodes for model in n.models}
     pools: dict[str, PoolSettings] = {}
     for name, body in pools_raw.items():
         pools[str(name)] = parse_pool(str(name), body, f"pools.{name}", catalog)
         if name not in served:
             warnings.append(f"pools.{name}: no node serves this model yet")
-    scrape_raw = _mapping(m.get("scrape") or {}, "scrape")
-    _check_keys(scrape_raw, ("interval_s", "stale_s", "timeout_s", "path"), "scrape")
+    scrape_raw = require_mapping(m.get("scrape") or {}, "scrape")
+    check_keys(scrape_raw, ("interval_s", "stale_s", "timeout_s", "path"), "scrape", extensions=True)
     s = ScrapeSettings()
     scrape = ScrapeSettings(_number(scrape_raw, "interval_s", "scrape", s.interval_s),
                             _number(scrape_raw, "stale_s", "scrape", s.stale_s),
                             _number(scrape_raw, "timeout_s", "scrape", s.timeout_s),
                             _path(scrape_raw, "path", "scrape", s.path))
-    health_raw = _mapping(m.get("health") or {}, "health")
-    _check_keys(health_raw, ("interval_s", "timeout_s", "path", "failures", "successes"), "health")
+    health_raw = require_mapping(m.get("health") or {}, "health")
+    check_keys(health_raw, ("interval_s", "timeout_s", "path", "failures", "successes"), "health", extensions=True)
     h = HealthSettings()
     health = HealthSettings(_number(health_raw, "interval_s", "health", h.interval_s),
                             _number(health_raw, "timeout_s", "health", h.timeout_s),
                             _path(health_raw, "path", "health", h.path),
                             _integer(health_raw, "failures", "health", h.failures),
                             _integer(health_raw, "successes", "health", h.successes))
-    reload_raw = _mapping(m.get("reload") or {}, "reload")
-    _check_keys(reload_raw, ("poll_s",), "reload")
+    reload_raw = require_mapping(m.get("reload") or {}, "reload")
+    check_keys(reload_raw, ("poll_s",), "reload", extensions=True)
     return FleetConfig(
         listen=parse_listen(m.get("listen")),
         nodes=tuple(nodes),
@@ -580,7 +565,7 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
         health=health,
         reload_poll_s=_number(reload_raw, "poll_s", "reload", 1.0, allow_zero=True),
         shutdown_timeout_s=_number(m, "shutdown_timeout_s", "", 30.0, allow_zero=True),
-        emulator=dict(_mapping(m.get("emulator") or {}, "emulator")),
+        emulator=dict(require_mapping(m.get("emulator") or {}, "emulator")),
         catalog=catalog,
         path=path,
         warnings=tuple(warnings),

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailguard.config_file import check_keys, read_yaml, require_mapping
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfModel
 from tailguard.core.policies import Slo, policy_names
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
-from tailguard.yaml_file import read_yaml
 
 FAULT_KINDS = ("throttle", "stall", "crash", "error_rate", "slow_network")
 
@@ -117,18 +117,6 @@ class Scenario:
         return out
 
 
-def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, f"must be a mapping, got {type(raw).__name__}")
-    return raw
-
-
-def _check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    for key in raw:
-        if key not in allowed:
-            raise ConfigError(f"{where}.{key}" if where else str(key), "unknown key", list(allowed))
-
-
 def number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None,
            positive: bool = True, minimum: float | None = None) -> float:
     if key not in raw or raw[key] is None:
@@ -160,8 +148,8 @@ def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = 
 
 
 def parse_slo(raw: Any, where: str = "slo") -> Slo:
-    m = _mapping(raw, where)
-    _check_keys(m, ("ttft_s", "tpot_s", "attainment"), where)
+    m = require_mapping(raw, where)
+    check_keys(m, ("ttft_s", "tpot_s", "attainment"), where)
     att = number(m, "attainment", where, 0.99)
     if att > 1.0:
         raise ConfigError(f"{where}.attainment", "must be in (0, 1]")
@@ -171,8 +159,8 @@ def parse_slo(raw: Any, where: str = "slo") -> Slo:
 def parse_engine(raw: Any, where: str) -> EngineConfig:
     if raw is None:
         return EngineConfig()
-    m = _mapping(raw, where)
-    _check_keys(m, ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+    m = require_mapping(raw, where)
+    check_keys(m, ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                     "kv_capacity_tokens", "block_size"), where)
     base = EngineConfig()
     chunked = m.get("enable_chunked_prefill", base.enable_chunked_prefill)
@@ -220,8 +208,8 @@ def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tu
     out = []
     for i, item in enumerate(raw):
         w = f"{where}[{i}]"
-        m = _mapping(item, w)
-        _check_keys(m, ("node", "kind", "at_s", "duration_s", "factor", "rate", "period_s",
+        m = require_mapping(item, w)
+        check_keys(m, ("node", "kind", "at_s", "duration_s", "factor", "rate", "period_s",
                         "pause_s", "delay_s"), w)
         node = m.get("node")
         if node not in node_ids:
@@ -257,12 +245,12 @@ SCENARIO_KEYS = ("name", "seed", "model", "slo", "network_rtt_s", "fleet", "work
 
 def parse_scenario(raw: Any, base_dir: Path | None = None,
                    catalog: Catalog = DEFAULT_CATALOG) -> Scenario:
-    m = _mapping(raw, "scenario")
-    _check_keys(m, SCENARIO_KEYS, "")
+    m = require_mapping(raw, "scenario")
+    check_keys(m, SCENARIO_KEYS, "")
     if "catalog" in m:
-        catalog = catalog.extend(_mapping(m["catalog"], "catalog"))
+        catalog = catalog.extend(require_mapping(m["catalog"], "catalog"))
     if "prices" in m:
-        catalog = catalog.with_prices(_mapping(m["prices"], "prices"))
+        catalog = catalog.with_prices(require_mapping(m["prices"], "prices"))
     name = str(m.get("name", "scenario"))
     seed = m.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -278,8 +266,8 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     groups = []
     for i, item in enumerate(fleet_raw):
         w = f"fleet[{i}]"
-        g = _mapping(item, w)
-        _check_keys(g, ("gpu", "count", "tp", "engine", "speed_spread"), w)
+        g = require_mapping(item, w)
+        check_keys(g, ("gpu", "count", "tp", "engine", "speed_spread"), w)
         if "gpu" not in g:
             raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
         gpu = catalog.gpu(str(g["gpu"]), f"{w}.gpu")
@@ -299,7 +287,7 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
                                  parse_engine(g.get("engine"), f"{w}.engine"), spread))
     if "workload" not in m:
         raise ConfigError("workload", "is required")
-    workload = parse_workload(_mapping(m["workload"], "workload"), "workload", base_dir)
+    workload = parse_workload(require_mapping(m["workload"], "workload"), "workload", base_dir)
     scenario = Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, (),
                         parse_policies(m.get("policies")), catalog)
     ids = [n.id for n in scenario.nodes()]

@@ -81,12 +81,13 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Literal, Protocol
 
+from tailguard.config_file import check_keys, require_mapping
 from tailguard.errors import ConfigError
 
 __all__ = [
@@ -475,18 +476,6 @@ class Requests:
 # --------------------------------------------------------------------------- parsing
 
 
-def _mapping(raw: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, f"must be a mapping, got {type(raw).__name__}")
-    return raw
-
-
-def _check_keys(raw: Mapping[str, Any], where: str, allowed: Sequence[str]) -> None:
-    for key in raw:
-        if key not in allowed:
-            raise ConfigError(f"{where}.{key}", "unknown key", sorted(allowed))
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -550,28 +539,28 @@ def _tokens(raw: Mapping[str, Any], key: str, where: str, default: int | None) -
 
 def parse_length_dist(raw: object, where: str, field: Field) -> LengthDist:
     """Parse one ``{dist: ...}`` mapping; ``field`` selects the preset table."""
-    spec = _mapping(raw, where)
+    spec = require_mapping(raw, where)
     if "dist" not in spec:
         raise ConfigError(f"{where}.dist", "is required", list(DISTS))
     dist = spec["dist"]
     if dist not in DISTS:
         raise ConfigError(f"{where}.dist", f"unknown distribution {dist!r}", list(DISTS))
     if dist == "fixed":
-        _check_keys(spec, where, ("dist", "value"))
+        check_keys(spec, ("dist", "value"), where)
         return FixedLength(_tokens(spec, "value", where, None))
     if dist == "uniform":
-        _check_keys(spec, where, ("dist", "min", "max"))
+        check_keys(spec, ("dist", "min", "max"), where)
         lo, hi = _tokens(spec, "min", where, None), _tokens(spec, "max", where, None)
         if lo > hi:
             raise ConfigError(f"{where}.max", f"must be >= min ({lo}), got {hi}")
         return UniformLength(lo, hi)
     if dist == "lognormal":
-        _check_keys(spec, where, ("dist", "mu", "sigma", "min", "max"))
+        check_keys(spec, ("dist", "mu", "sigma", "min", "max"), where)
         mu = _real(spec, "mu", where)
         sigma = _required_number(spec, "sigma", where, positive=True)
         default_hi = TOKEN_CAP
     else:
-        _check_keys(spec, where, ("dist", "min", "max"))
+        check_keys(spec, ("dist", "min", "max"), where)
         mu = sigma = 0.0
         default_hi = PRESET_MAX[field]
     lo = _tokens(spec, "min", where, 1)
@@ -584,14 +573,14 @@ def parse_length_dist(raw: object, where: str, field: Field) -> LengthDist:
 
 
 def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpec:
-    spec = _mapping(raw, where)
+    spec = require_mapping(raw, where)
     if "process" not in spec:
         raise ConfigError(f"{where}.process", "is required", list(PROCESSES))
     process = spec["process"]
     if process not in PROCESSES:
         raise ConfigError(f"{where}.process", f"unknown process {process!r}", list(PROCESSES))
     if process == "trace":
-        _check_keys(spec, where, ("process", "path", "speedup", "rate", "load"))
+        check_keys(spec, ("process", "path", "speedup", "rate", "load"), where)
         scalings = [k for k in ("speedup", "rate", "load") if k in spec]
         if len(scalings) > 1:
             raise ConfigError(
@@ -615,7 +604,7 @@ def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpe
             speedup=_number(spec, "speedup", where, default=1.0) or 1.0,
         )
     allowed = ("process", "rate", "load") + (("cv",) if process == "gamma" else ())
-    _check_keys(spec, where, allowed)
+    check_keys(spec, allowed, where)
     if ("rate" in spec) == ("load" in spec):
         raise ConfigError(f"{where}.rate", "give exactly one of rate (req/s) or load (fraction)")
     rate, load = _number(spec, "rate", where), _number(spec, "load", where)
@@ -631,8 +620,8 @@ def parse_workload(
     """Validate a ``workload:`` mapping; every problem is a :class:`ConfigError`
     naming the dotted field. Relative trace paths resolve against ``base_dir``
     (the scenario file's folder), else the working directory."""
-    spec = _mapping(raw, where)
-    _check_keys(spec, where, ("duration_s", "warmup_s", "arrival", "input_tokens", "output_tokens"))
+    spec = require_mapping(raw, where)
+    check_keys(spec, ("duration_s", "warmup_s", "arrival", "input_tokens", "output_tokens"), where)
     duration = _required_number(spec, "duration_s", where, positive=True)
     warmup = _number(spec, "warmup_s", where, positive=False, default=0.0) or 0.0
     if warmup >= duration:
