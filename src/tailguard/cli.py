@@ -113,6 +113,30 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tailguard.core.replay import replay
+    from tailguard.gateway.recording import read_decisions
+
+    try:
+        records = read_decisions(args.recording)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("", f"cannot read recording {args.recording!r}: {exc}") from exc
+    try:
+        res = replay(records)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConfigError("", f"{args.recording}: not a tailguard recording ({exc})") from exc
+    print(f"{res.records} records, {res.decisions} decisions replayed, "
+          f"{len(res.differences)} differ")
+    for d in res.differences[: args.show]:
+        print(f"  record {d['record']} ({d['op']} at t={d['t']}): recorded {d['recorded']!r}, "
+              f"replayed {d['replayed']!r}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"records": res.records,
+                                               "decisions": res.decisions,
+                                               "differences": res.differences}, indent=2) + "\n")
+    return 0 if not res.differences else 1
+
+
 def cmd_gpus(args: argparse.Namespace) -> int:
     from tailguard.core.hardware import DEFAULT_CATALOG
 
@@ -173,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     for mod in (gateway_cli, emulator_cli, bench_cli, demo):
         mod.add_parser(sub)
+
+    p = sub.add_parser("replay", help="replay a `serve --record` file into a fresh balancer "
+                                      "and report every decision that differs")
+    p.add_argument("recording")
+    p.add_argument("--show", type=int, default=20, help="differences to print (default 20)")
+    p.add_argument("--json", help="write the differences here")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("gpus", help="list the GPU catalog")
     p.set_defaults(func=cmd_gpus)

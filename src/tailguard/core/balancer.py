@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from random import Random
 from typing import Any
 
+from tailguard.core.events import Event
 from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
+from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
 from tailguard.core.predict import decode_step_s, prefill_s
+from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
 from tailguard.errors import ConfigError
 
 # When the pool's model (or a node's GPU) is not in the catalog, the prior has
@@ -45,17 +48,6 @@ class PoolConfig:
     catalog_model: str | None = None  # the catalog entry for the roofline prior
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Something the core decided or noticed, for logs, metrics and reports."""
-
-    t: float
-    node: str
-    kind: str  # "state" (a state change) or "detect" (a detection without a change)
-    state: str
-    reason: str
-
-
 class Ticket:
     """A dispatched request's permit on a node, and what is measured about it."""
 
@@ -63,6 +55,7 @@ class Ticket:
         "ahead_tokens",
         "batch_at_dispatch",
         "batch_at_first",
+        "id",
         "node",
         "pool",
         "prefill_mark",
@@ -72,7 +65,9 @@ class Ticket:
         "t_first",
     )
 
-    def __init__(self, node: Node, pool: Pool, prompt_tokens: int, now: float) -> None:
+    def __init__(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
+                 ticket_id: int = 0) -> None:
+        self.id = ticket_id  # the balancer's sequence number: names it in recordings
         self.node = node
         self.pool = pool
         self.prompt_tokens = prompt_tokens
@@ -125,8 +120,12 @@ class Balancer:
         catalog: Catalog = DEFAULT_CATALOG,
         perf_params: PerfParams = DEFAULT_PERF,
         recorder: Callable[[dict[str, Any]], None] | None = None,
+        outliers: OutlierConfig | None = None,
     ) -> None:
         self.rng = rng
+        # Straggler/failure detection and the quarantine lifecycle (on by default).
+        cfg = outliers or OutlierConfig()
+        self.outliers: OutlierDetector | None = OutlierDetector(cfg) if cfg.enabled else None
         self.catalog = catalog
         self.perf_params = perf_params
         self.recorder = recorder
@@ -135,6 +134,9 @@ class Balancer:
         self.double_release = 0  # on_finish for an already released ticket
         self._order = 0
         self._last_tick = -1.0
+        self._ticket_seq = 0
+        if recorder is not None:
+            recorder(record_init(rng, perf_params))
         for pc in pools:
             self.add_pool(pc)
         for spec in nodes:
@@ -145,8 +147,27 @@ class Balancer:
     def add_pool(self, config: PoolConfig) -> Pool:
         policy = make_policy(config.policy, config.slo, config.policy_options,
                              field=f"pools.{config.name}.policy")
+        if self.recorder is not None:
+            self.recorder({"op": "add_pool", "config": pool_to_dict(config)})
         pool = Pool(config, policy)
         self.pools[config.name] = pool
+        return pool
+
+    def replace_pool(self, config: PoolConfig) -> Pool:
+        """Swap a pool's policy and SLO, keeping its nodes and running statistics."""
+        old = self.pools.get(config.name)
+        if self.recorder is not None:
+            self.recorder({"op": "replace_pool", "config": pool_to_dict(config)})
+        recorder, self.recorder = self.recorder, None  # one record for the whole swap
+        try:
+            pool = self.add_pool(config)
+        finally:
+            self.recorder = recorder
+        if old is not None:
+            pool.nodes = old.nodes
+            pool.mean_prompt = old.mean_prompt
+            pool.mean_output = old.mean_output
+            pool.invalidate()
         return pool
 
     def pool_for(self, model: str) -> Pool | None:
@@ -173,6 +194,8 @@ class Balancer:
     def add_node(self, spec: NodeSpec) -> Node:
         if spec.id in self.nodes:
             raise ConfigError(f"nodes.{spec.id}", "duplicate node id")
+        if self.recorder is not None:
+            self.recorder({"op": "add_node", "spec": spec_to_dict(spec)})
         node = Node(spec, self._prior(spec), self._order)
         self._order += 1
         self.nodes[spec.id] = node
@@ -185,7 +208,11 @@ class Balancer:
         return node
 
     def remove_node(self, node_id: str) -> None:
+        if self.recorder is not None:
+            self.recorder({"op": "remove_node", "node": node_id})
         node = self.nodes.pop(node_id)
+        if self.outliers is not None:
+            self.outliers.forget(node_id)
         for pool in self.pools.values():
             if node in pool.nodes:
                 pool.nodes.remove(node)
@@ -195,6 +222,8 @@ class Balancer:
         node = self.nodes[node_id]
         if node.state is state:
             return
+        if self.recorder is not None:
+            self.recorder({"op": "set_state", "node": node_id, "state": state.value})
         node.state = state
         for pool in self.pools.values():
             if node in pool.nodes:
@@ -223,14 +252,17 @@ class Balancer:
         req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
                           priority)
         node_id = pool.policy.choose(nodes, req, now, self.rng)
+        if node_id is not None:
+            self._ticket_seq += 1
         if self.recorder is not None:
             self.recorder({"t": now, "op": "pick", "model": model, "prompt_tokens": prompt_tokens,
                            "max_tokens": max_tokens, "priority": priority,
-                           "exclude": list(exclude), "node": node_id})
+                           "exclude": list(exclude), "node": node_id,
+                           "ticket": self._ticket_seq if node_id is not None else None})
         if node_id is None:
             return None
         node = self.nodes[node_id]
-        ticket = Ticket(node, pool, prompt_tokens, now)
+        ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq)
         node.in_flight += 1
         node.prefilling += 1
         node.prefill_backlog += prompt_tokens
@@ -243,7 +275,7 @@ class Balancer:
         if ticket.t_first >= 0.0 or ticket.released:
             return
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "first_token", "node": ticket.node.id})
+            self.recorder({"t": now, "op": "first_token", "ticket": ticket.id})
         node = ticket.node
         ticket.t_first = now
         ticket.batch_at_first = node.in_flight
@@ -260,6 +292,8 @@ class Balancer:
         step = decode_step_s(perf, ticket.batch_at_dispatch, pool.mean_prompt + pool.mean_output / 2)
         expected = prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens) + step
         node.capacity.prefill.update(ttft, expected)
+        if self.outliers is not None:
+            self.outliers.on_prefill(node, ttft, expected, now)
 
     def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int) -> None:
         """Release the ticket's permit (exactly once) and learn from the request."""
@@ -267,7 +301,7 @@ class Balancer:
             self.double_release += 1
             return
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "finish", "node": ticket.node.id,
+            self.recorder({"t": now, "op": "finish", "ticket": ticket.id,
                            "outcome": outcome.value, "output_tokens": output_tokens})
         ticket.released = True
         node = ticket.node
@@ -277,6 +311,8 @@ class Balancer:
             node.prefill_backlog -= ticket.prompt_tokens
         else:
             node.decoding -= 1
+        if self.outliers is not None:
+            self.outliers.on_outcome(node, outcome, now)
         if outcome is not Outcome.OK:
             return
         pool = ticket.pool
@@ -288,11 +324,17 @@ class Balancer:
             node.tpot.update(tpot, now)
             batch = max(1, (ticket.batch_at_first + node.in_flight + 1) // 2)
             ctx = pool.mean_prompt + pool.mean_output * 0.5
-            node.capacity.decode.update(tpot, decode_step_s(node.perf, batch, ctx))
+            expected_step = decode_step_s(node.perf, batch, ctx)
+            node.capacity.decode.update(tpot, expected_step)
+            if self.outliers is not None:
+                self.outliers.on_decode(node, tpot, expected_step)
 
     def on_engine_metrics(
         self, node_id: str, now: float, running: int, waiting: int, kv_usage: float
     ) -> None:
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "engine_metrics", "node": node_id, "running": running,
+                           "waiting": waiting, "kv_usage": kv_usage})
         node = self.nodes.get(node_id)
         if node is None:
             return
@@ -303,9 +345,20 @@ class Balancer:
 
     def tick(self, now: float) -> list[Event]:
         """Periodic work; returns the events it produced (state changes)."""
+        if self.recorder is None:
+            return self._tick(now)
+        self.recorder({"t": now, "op": "tick"})
+        events = self._tick(now)
+        if events:
+            self.recorder({"t": now, "op": "events", "events": [event_to_dict(e) for e in events]})
+        return events
+
+    def _tick(self, now: float) -> list[Event]:
         self._refresh_class_slowdowns()
         self._last_tick = now
-        return []
+        if self.outliers is None:
+            return []
+        return self.outliers.tick(now, self.nodes, self.pools.values(), self.rng)
 
     def _refresh_class_slowdowns(self) -> None:
         sums: dict[str, list[float]] = {}

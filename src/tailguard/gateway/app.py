@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from random import Random
 
 import aiohttp
@@ -37,8 +38,10 @@ from tailguard.gateway.admin import AdminApi
 from tailguard.gateway.api_errors import error_response
 from tailguard.gateway.config import FleetConfig
 from tailguard.gateway.live_fleet import LiveFleet
+from tailguard.gateway.logs import add_request_id_header, request_log
 from tailguard.gateway.metrics import GatewayMetrics
 from tailguard.gateway.proxy import Proxy
+from tailguard.gateway.recording import DecisionFile
 from tailguard.gateway.reload import ConfigReloader
 
 log = logging.getLogger("tailguard.gateway")
@@ -56,14 +59,20 @@ UPSTREAM_KEEPALIVE_S = 4.0
 _NO_AIOHTTP_BODY_LIMIT = 1 << 40
 
 
-def build_app(config: FleetConfig, rng: Random | None = None) -> web.Application:
-    """The gateway for ``config``; ``rng`` seeds the routing policies' randomness."""
-    fleet = LiveFleet(config, rng)
+def build_app(config: FleetConfig, rng: Random | None = None,
+              record: str | Path | None = None) -> web.Application:
+    """The gateway for ``config``; ``rng`` seeds the routing policies' randomness.
+
+    ``record``: write every balancer input and decision to this JSONL file.
+    """
+    recorder = DecisionFile(record) if record is not None else None
+    fleet = LiveFleet(config, rng, recorder)
     metrics = GatewayMetrics(fleet)
     proxy = Proxy(fleet, metrics)
     reloader = ConfigReloader(fleet, metrics)
     admin = AdminApi(fleet)
-    app = web.Application(client_max_size=_NO_AIOHTTP_BODY_LIMIT)
+    app = web.Application(client_max_size=_NO_AIOHTTP_BODY_LIMIT, middlewares=[request_log])
+    app.on_response_prepare.append(add_request_id_header)
     app[FLEET] = fleet
     app[METRICS] = metrics
     app[PROXY] = proxy
@@ -121,6 +130,8 @@ def build_app(config: FleetConfig, rng: Random | None = None) -> web.Application
         if proxy.session is not None:
             await proxy.session.close()
             proxy.session = None
+        if recorder is not None:
+            recorder.close()
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
@@ -171,9 +182,10 @@ def make_runner(app: web.Application, shutdown_timeout_s: float,
 
 
 async def start_gateway(config: FleetConfig, host: str | None = None, port: int | None = None,
-                        rng: Random | None = None, access_log: bool = False) -> RunningGateway:
+                        rng: Random | None = None, access_log: bool = False,
+                        record: str | Path | None = None) -> RunningGateway:
     """Start serving ``config`` (``host``/``port`` override ``listen``; port 0: a free one)."""
-    app = build_app(config, rng)
+    app = build_app(config, rng, record)
     runner = make_runner(app, config.shutdown_timeout_s, access_log)
     await runner.setup()
     bind_host = host if host is not None else config.listen[0]
@@ -194,9 +206,10 @@ async def start_gateway(config: FleetConfig, host: str | None = None, port: int 
 
 @asynccontextmanager
 async def run_gateway(config: FleetConfig, host: str = "127.0.0.1", port: int = 0,
-                      rng: Random | None = None) -> AsyncIterator[RunningGateway]:
+                      rng: Random | None = None,
+                      record: str | Path | None = None) -> AsyncIterator[RunningGateway]:
     """Serve ``config`` on ``host:port`` (0: a free port) for the ``async with`` body."""
-    gw = await start_gateway(config, host, port, rng)
+    gw = await start_gateway(config, host, port, rng, record=record)
     try:
         yield gw
     finally:

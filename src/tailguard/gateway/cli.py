@@ -22,7 +22,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = config.listen
     if args.listen:
         host, port = parse_listen(args.listen, "--listen")
-    return serve(config, host, port, access_log=args.access_log)
+    return serve(config, host, port, access_log=args.access_log, record=args.record)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                    "drains and stops.")
     p.add_argument("--config", "-c", required=True, help="the fleet file (YAML)")
     p.add_argument("--listen", help="HOST:PORT to listen on (overrides the file's listen)")
+    p.add_argument("--record", metavar="FILE",
+                   help="write every balancer input and decision to FILE (JSONL) for "
+                        "`tailguard replay`")
     p.add_argument("--log-level", default=os.environ.get("TAILGUARD_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true",

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from random import Random
+from typing import Any
 
 import aiohttp
 
@@ -62,11 +63,12 @@ class ReloadSummary:
 class LiveFleet:
     """The balancer and the gateway-side state of every node and pool."""
 
-    def __init__(self, config: FleetConfig, rng: Random | None = None) -> None:
+    def __init__(self, config: FleetConfig, rng: Random | None = None,
+                 recorder: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.config = config
         self.balancer = Balancer([n.spec() for n in config.nodes],
                                  [p.pool_config() for p in config.pools.values()],
-                                 rng or Random(), catalog=config.catalog)
+                                 rng or Random(), catalog=config.catalog, recorder=recorder)
         self.nodes: dict[str, NodeConfig] = {n.id: n for n in config.nodes}
         self.dynamic: set[str] = set()  # registered through the admin API
         self.monitors: dict[str, NodeMonitor] = {}
@@ -244,13 +246,7 @@ class LiveFleet:
 
     def _replace_pool(self, settings: PoolSettings) -> None:
         """Swap a pool's policy and SLO, keeping its nodes and running statistics."""
-        old = self.balancer.pools.get(settings.name)
-        pool = self.balancer.add_pool(settings.pool_config())
-        if old is not None:
-            pool.nodes = old.nodes
-            pool.mean_prompt = old.mean_prompt
-            pool.mean_output = old.mean_output
-            pool.invalidate()
+        self.balancer.replace_pool(settings.pool_config())
 
     # -- monitor callbacks ---------------------------------------------------
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from tailguard.core.balancer import Event
+from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
 
 if TYPE_CHECKING:
@@ -102,6 +102,18 @@ class GatewayMetrics:
                               ["kind", "state"], registry=r)
         self.reloads = Counter("tailguard_config_reloads", "Fleet file reloads, by result",
                                ["result"], registry=r)
+        self.slo = Counter("tailguard_slo_requests",
+                           "Streamed answers judged against their pool's TTFT and TPOT SLO",
+                           ["pool", "gpu", "result"], registry=r)
+        self.hedges = Counter("tailguard_hedges", "Hedge (duplicate) requests sent, by result",
+                              ["pool", "result"], registry=r)
+        self.shed = Counter("tailguard_shed_requests", "Requests refused at admission (429)",
+                            ["pool", "reason"], registry=r)
+        self.remediations = Counter("tailguard_remediations",
+                                    "Remediation actions run, by action and result",
+                                    ["action", "result"], registry=r)
+        self._fleet = fleet
+        self._slo: dict[tuple[str, str, bool], Any] = {}
         r.register(FleetCollector(fleet))
         fleet.event_listeners.append(self.on_event)
         self._codes: dict[tuple[str, int], Any] = {}
@@ -133,10 +145,36 @@ class GatewayMetrics:
             c_tokens.inc(output_tokens)
         if ttft is not None:
             c_ttft.observe(ttft)
+            self._judge(pool, gpu, ttft, tpot)
         if tpot is not None:
             c_tpot.observe(tpot)
         if max_gap is not None:
             c_gap.observe(max_gap)
+
+    def _judge(self, pool: str, gpu: str, ttft: float, tpot: float | None) -> None:
+        # Only streamed answers are judged: a non-streamed one has no TTFT to compare.
+        p = self._fleet.balancer.pools.get(pool)
+        if p is None:
+            return
+        slo = p.config.slo
+        met = ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
+        key = (pool, gpu, met)
+        child = self._slo.get(key)
+        if child is None:
+            child = self._slo[key] = self.slo.labels(pool, gpu, "met" if met else "missed")
+        child.inc()
+
+    def hedge(self, pool: str, result: str) -> None:
+        """A hedge was sent; ``result``: ``won``, ``lost`` or ``cancelled`` (for issue 5)."""
+        self.hedges.labels(pool, result).inc()
+
+    def shed_request(self, pool: str, reason: str) -> None:
+        """Admission refused a request (``queue_full``, ``deadline``...; for issue 4)."""
+        self.shed.labels(pool, reason).inc()
+
+    def remediation(self, action: str, result: str) -> None:
+        """A remediation action ran (``command``/``webhook``/``kubernetes``; for issue 5)."""
+        self.remediations.labels(action, result).inc()
 
     def upstream_error(self, node: str, origin: str) -> None:
         self.upstream_errors.labels(node, origin).inc()
@@ -184,12 +222,20 @@ class FleetCollector:
                    "KV cache use the engine reports, 0..1 (fresh data only)")
         age = gauge("tailguard_node_engine_metrics_age_seconds", "Age of the last good scrape")
         stale = gauge("tailguard_node_engine_metrics_stale", "1 when the engine metrics are stale")
+        limit = gauge("tailguard_node_limit_requests",
+                      "Concurrent requests the gateway lets the node run (its concurrency "
+                      "limit; its slots when no limiter is configured)")
+        slowness = gauge("tailguard_node_slowness_ratio",
+                         "How slow the node is for its own hardware (1 = like its GPU class)")
         fleet = self.fleet
         now = time.monotonic()
-        for node in list(fleet.balancer.nodes.values()):
+        nodes = list(fleet.balancer.nodes.values())
+        for node in nodes:
             lv = [node.id, node.spec.gpu_class]
             in_flight.add_metric(lv, node.in_flight)
             slots.add_metric(lv, node.slots)
+            limit.add_metric(lv, node_limit(node))
+            slowness.add_metric(lv, node_slowness(node))
             decode.add_metric(lv, node.capacity.decode_slowdown)
             prefill.add_metric(lv, node.capacity.prefill_slowdown)
             if node.ttft.count:
@@ -213,7 +259,97 @@ class FleetCollector:
                 if mon.sample.kv_usage >= 0:
                     kv.add_metric(lv, mon.sample.kv_usage)
         return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, up, running,
-                waiting, kv, age, stale]
+                waiting, kv, age, stale, limit, slowness, *self._classes(nodes),
+                *self._pools()]
+
+    def _classes(self, nodes: list[Any]) -> list[Metric]:
+        decode = GaugeMetricFamily("tailguard_class_decode_slowdown_ratio",
+                                   "GPU class's measured decode time over the roofline prior "
+                                   "(geometric mean over its nodes; what routing uses)",
+                                   labels=["gpu"])
+        prefill = GaugeMetricFamily("tailguard_class_prefill_slowdown_ratio",
+                                    "GPU class's measured prefill time over the roofline prior",
+                                    labels=["gpu"])
+        seen: set[str] = set()
+        for node in nodes:
+            gpu = node.spec.gpu_class
+            if gpu not in seen:
+                seen.add(gpu)
+                decode.add_metric([gpu], node.class_decode_slowdown)
+                prefill.add_metric([gpu], node.class_prefill_slowdown)
+        return [decode, prefill]
+
+    def _pools(self) -> list[Metric]:
+        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["pool", *(extra or [])])
+
+        slo_ttft = gauge("tailguard_pool_slo_ttft_seconds", "The pool's TTFT SLO")
+        slo_tpot = gauge("tailguard_pool_slo_tpot_seconds", "The pool's TPOT SLO")
+        target = gauge("tailguard_pool_slo_attainment_target",
+                       "Share of requests that must meet the SLO")
+        states = gauge("tailguard_pool_nodes", "Nodes of the pool, by state", ["state"])
+        queue = gauge("tailguard_pool_queue_depth",
+                      "Requests waiting in the pool's admission queue (0 without a queue)")
+        capacity = gauge("tailguard_pool_capacity_tokens_per_second",
+                         "Sum of the routable nodes' estimated throughput within the TPOT SLO")
+        fleet = self.fleet
+        for name, pool in list(fleet.balancer.pools.items()):
+            if not pool.nodes:
+                continue
+            slo = pool.config.slo
+            slo_ttft.add_metric([name], slo.ttft_s)
+            slo_tpot.add_metric([name], slo.tpot_s)
+            target.add_metric([name], slo.attainment)
+            counts = dict.fromkeys(NodeState, 0)
+            cap = 0.0
+            for node in pool.nodes:
+                counts[node.state] += 1
+                if node.state.routable:
+                    cap += capacity_tokens_per_s(fleet, node)
+            for st, n in counts.items():
+                states.add_metric([name, st.value], n)
+            queue.add_metric([name], pool_queue_depth(pool))
+            capacity.add_metric([name], cap)
+        return [slo_ttft, slo_tpot, target, states, queue, capacity]
+
+
+def node_limit(node: Any) -> int:
+    """The node's concurrency limit: a limiter's ``limit`` when the core has one, else slots.
+
+    Read through ``getattr`` so that the gauge works before and after the
+    per-node limiters (issue 4) land: ``node.limit`` may be a number or an
+    object with a ``limit`` attribute.
+    """
+    lim = getattr(node, "limit", None)
+    if lim is not None and not isinstance(lim, (int, float)):
+        lim = getattr(lim, "limit", None)
+    if isinstance(lim, (int, float)):
+        return int(lim)
+    return int(node.slots)
+
+
+def node_slowness(node: Any) -> float:
+    """Slowness for the node's own hardware: the outlier detector's ratio when it has one,
+    else the node's decode slowdown over its GPU class's (1 = as fast as its peers)."""
+    ratio = getattr(node, "slowness", None)
+    if isinstance(ratio, (int, float)):
+        return float(ratio)
+    cls = node.class_decode_slowdown
+    return float(node.capacity.decode_slowdown / cls) if cls > 0 else 1.0
+
+
+def pool_queue_depth(pool: Any) -> int:
+    """Requests waiting in the pool's admission queue (issue 4), 0 while there is none."""
+    q = getattr(pool, "queue", None)
+    if q is None:
+        return 0
+    depth = getattr(q, "depth", None)
+    if isinstance(depth, int):
+        return depth
+    try:
+        return len(q)
+    except TypeError:
+        return 0
 
 
 def capacity_tokens_per_s(fleet: LiveFleet, node: Any) -> float:

@@ -33,9 +33,9 @@ def _loop_factory() -> asyncio.AbstractEventLoop:
 
 
 async def serve_forever(config: FleetConfig, host: str | None = None, port: int | None = None,
-                        access_log: bool = False) -> None:
+                        access_log: bool = False, record: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT, reloading on SIGHUP."""
-    gw = await start_gateway(config, host, port, access_log=access_log)
+    gw = await start_gateway(config, host, port, access_log=access_log, record=record)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,7 +59,7 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
 
 
 def serve(config: FleetConfig, host: str | None = None, port: int | None = None,
-          access_log: bool = False) -> int:
+          access_log: bool = False, record: str | None = None) -> int:
     with asyncio.Runner(loop_factory=_loop_factory) as runner:
-        runner.run(serve_forever(config, host, port, access_log))
+        runner.run(serve_forever(config, host, port, access_log, record))
     return 0

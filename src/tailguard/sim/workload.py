@@ -687,6 +687,8 @@ def read_trace(path: str | Path, where: str = "trace") -> Requests:
             raise ConfigError(where, f"{at}: not JSON ({exc.msg})") from exc
         if not isinstance(row, dict):
             raise ConfigError(where, f"{at}: expected an object, got {type(row).__name__}")
+        if "op" in row:  # a gateway's decision recording, not a trace
+            return requests_from_recording(text, where, file)
         t = row.get("t")
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0.0:
             raise ConfigError(where, f"{at}: 't' must be a finite number >= 0, got {t!r}")
@@ -699,6 +701,44 @@ def read_trace(path: str | Path, where: str = "trace") -> Requests:
         rows.append((float(t), counts[0], counts[1]))
     rows.sort(key=lambda r: r[0])
     return Requests([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+
+def requests_from_recording(text: str, where: str, file: Path) -> Requests:
+    """The requests a live gateway saw, from its ``--record`` file.
+
+    Each first attempt (a ``pick`` without excluded nodes) is one arrival, at
+    its time relative to the first one, with its prompt length; its answer
+    length is what the finish reported when it succeeded, else its
+    ``max_tokens``, else the median of the successful answers.
+    """
+    picks: list[tuple[float, int, int | None, int | None]] = []  # t, prompt, max, ticket
+    outputs: dict[int, int] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(where, f"{file}:{lineno}: not JSON ({exc.msg})") from exc
+        op = rec.get("op")
+        if op == "pick" and not rec.get("exclude"):
+            picks.append((float(rec["t"]), int(rec["prompt_tokens"]), rec.get("max_tokens"),
+                          rec.get("ticket")))
+        elif op == "finish" and rec.get("outcome") == "ok" and rec.get("output_tokens", 0) > 0:
+            outputs[int(rec["ticket"])] = int(rec["output_tokens"])
+    if not picks:
+        raise ConfigError(where, f"{file}: the recording holds no requests")
+    known = sorted(outputs.values())
+    fallback = known[len(known) // 2] if known else 1
+    picks.sort(key=lambda p: p[0])
+    t0 = picks[0][0]
+    arrivals, prompts, answers = [], [], []
+    for t, prompt, max_tokens, ticket in picks:
+        arrivals.append(t - t0)
+        prompts.append(max(1, prompt))
+        out = outputs.get(ticket) if ticket is not None else None
+        answers.append(out if out is not None else int(max_tokens or fallback))
+    return Requests(arrivals, prompts, answers)
 
 
 # --------------------------------------------------------------------------- generation

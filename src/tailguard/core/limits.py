@@ -1,0 +1,346 @@
+"""Per-node adaptive concurrency limits toward the pool's TPOT and TTFT SLO.
+
+A weak GPU must run a smaller batch than a strong one to keep its time per
+output token (TPOT) inside the SLO. The gateway sets each node's effective
+batch through how many requests it lets run there at once: a :class:`Limiter`
+per node hands out permits (held by the balancer's ``Ticket``, so each ends
+exactly once: success, ignored or dropped) up to a limit that a :class:`Limit`
+algorithm adapts from samples.
+
+The algorithms follow Netflix's concurrency-limits library (see
+``facts.md``), with the latency signal replaced by the request's TPOT and
+TTFT on the node measured against the pool's SLO, instead of a plain round
+trip time against its no-load minimum:
+
+* ``fixed``: the planned limit, never changed.
+* ``aimd``: on a drop or a sample slower than the SLO,
+  ``limit = max(min, min(limit - 1, floor(backoff * limit)))``; otherwise
+  ``limit + 1`` while at least half of it is in use.
+* ``gradient`` (Gradient2-style, the default): every ``update_every`` samples,
+  take the recent p90 of TPOT (and of the node-side TTFT) over a window;
+  ``gradient = clamp(min(target_tpot / p90_tpot, target_ttft / p90_ttft), 0.5, 1)``.
+  Under target (gradient 1) and while at least half the limit is in use, the
+  new limit is ``limit + sqrt(limit)`` (Gradient2's queue allowance); over
+  target it is ``limit * gradient``. The result is smoothed,
+  ``limit = (1 - smoothing) * limit + smoothing * new``, and bounded to
+  ``[min_limit, max_limit]``. A drop (upstream 429, timeout, or the engine
+  reporting queued requests with its KV cache nearly full) cuts the limit by
+  ``backoff`` at once.
+
+The initial limit comes from the roofline model (:func:`planned_limit`): the
+largest batch whose step time, including its share of chunked prefill,
+stays within ``target * slo_tpot`` at the workload's typical context, capped
+by the KV cache.
+
+Worked example (gradient, smoothing 0.2, target 0.9, SLO TPOT 100 ms): a
+node at limit 64 reports a window whose p90 TPOT is 120 ms against its
+90 ms target: gradient = 0.75, new = 48, smoothed 64 * 0.8 + 48 * 0.2 =
+60.8. Once p90 is back under 90 ms with 40 of 60 in flight, new =
+60.8 + sqrt(60.8) = 68.6 and the limit climbs to 62.4.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tailguard.core.hardware import PerfModel
+from tailguard.errors import ConfigError
+
+LIMIT_KINDS = ("gradient", "aimd", "fixed")
+
+# Gradient2's bounds on one update's multiplicative change.
+_MIN_GRADIENT = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class LimitConfig:
+    """The ``limits:`` section of a scenario or of a fleet file's pool."""
+
+    kind: str = "gradient"
+    initial: int | None = None  # None: planned from the roofline model
+    min_limit: int = 1
+    max_limit: int | None = None  # None: the node's slots (max_num_seqs, KV)
+    target: float = 0.9  # share of the SLO the recent p90 aims at
+    window: int = 40  # samples in the percentile window
+    update_every: int = 10  # samples between gradient updates
+    smoothing: float = 0.2
+    backoff: float = 0.9
+    kv_full: float = 0.95  # engine KV use that, with a queue, counts as a drop
+    # The workload's typical prompt and answer lengths for the plan; None:
+    # the pool's running means when the node registers.
+    input_tokens: float | None = None
+    output_tokens: float | None = None
+
+
+class Limit(Protocol):
+    """A concurrency-limit algorithm: samples in, ``limit`` out."""
+
+    @property
+    def limit(self) -> int: ...
+
+    def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
+                  dropped: bool) -> None:
+        """One finished request: its TPOT and node-side TTFT (<= 0: unknown),
+        the permits in use when it ended and whether it ended in a drop."""
+
+
+class FixedLimit:
+    """The planned limit, constant."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, limit)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
+                  dropped: bool) -> None:
+        return
+
+
+class AimdLimit:
+    """Netflix AIMD with "slow" meaning a TPOT above the SLO."""
+
+    __slots__ = ("_limit", "backoff", "max_limit", "min_limit", "slow_tpot")
+
+    def __init__(self, initial: int, slow_tpot: float, min_limit: int = 1, max_limit: int = 256,
+                 backoff: float = 0.9) -> None:
+        self.min_limit, self.max_limit = min_limit, max_limit
+        self._limit = min(max(initial, min_limit), max_limit)
+        self.slow_tpot = slow_tpot
+        self.backoff = backoff
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
+                  dropped: bool) -> None:
+        lim = self._limit
+        if dropped or tpot > self.slow_tpot:
+            lim = max(self.min_limit, min(lim - 1, math.floor(self.backoff * lim)))
+        elif inflight * 2 >= lim:
+            lim = min(self.max_limit, lim + 1)
+        self._limit = lim
+
+
+class GradientLimit:
+    """Gradient2-style limit on the recent p90 of TPOT and TTFT against their targets."""
+
+    __slots__ = ("_estimate", "_n", "_tpots", "_ttfts", "backoff", "max_limit", "min_limit",
+                 "smoothing", "target_tpot", "target_ttft", "update_every", "window")
+
+    def __init__(self, initial: int, target_tpot: float, target_ttft: float, *,
+                 min_limit: int = 1, max_limit: int = 256, window: int = 40,
+                 update_every: int = 10, smoothing: float = 0.2, backoff: float = 0.9) -> None:
+        self.min_limit, self.max_limit = min_limit, max_limit
+        self._estimate = float(min(max(initial, min_limit), max_limit))
+        self.target_tpot, self.target_ttft = target_tpot, target_ttft
+        self.window, self.update_every = window, update_every
+        self.smoothing, self.backoff = smoothing, backoff
+        self._tpots: list[float] = []
+        self._ttfts: list[float] = []
+        self._n = 0
+
+    @property
+    def limit(self) -> int:
+        return int(self._estimate)
+
+    @property
+    def estimate(self) -> float:
+        return self._estimate
+
+    def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
+                  dropped: bool) -> None:
+        if dropped:
+            self._estimate = max(float(self.min_limit), self._estimate * self.backoff)
+            return
+        if tpot > 0.0:
+            _push(self._tpots, tpot, self.window)
+        if ttft > 0.0:
+            _push(self._ttfts, ttft, self.window)
+        self._n += 1
+        if self._n < self.update_every:
+            return
+        self._n = 0
+        gradient = 1.0
+        if self._tpots:
+            gradient = min(gradient, self.target_tpot / _p90(self._tpots))
+        if self._ttfts:
+            gradient = min(gradient, self.target_ttft / _p90(self._ttfts))
+        est = self._estimate
+        if gradient >= 1.0:
+            # Grow only while the limit is actually used: an idle node's fast
+            # samples say nothing about a larger batch.
+            if inflight * 2 < est:
+                return
+            new = est + math.sqrt(est)
+        else:
+            new = est * max(gradient, _MIN_GRADIENT)
+        est = est * (1.0 - self.smoothing) + new * self.smoothing
+        self._estimate = min(max(est, float(self.min_limit)), float(self.max_limit))
+
+
+def _push(ring: list[float], value: float, size: int) -> None:
+    ring.append(value)
+    if len(ring) > size:
+        del ring[0]
+
+
+def _p90(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(0.9 * len(s)))]
+
+
+class Limiter:
+    """One node's permits under its :class:`Limit`; counts how each permit ended."""
+
+    __slots__ = ("algorithm", "dropped", "ignored", "inflight", "kv_full", "successes")
+
+    def __init__(self, algorithm: Limit, kv_full: float = 0.95) -> None:
+        self.algorithm = algorithm
+        self.kv_full = kv_full
+        self.inflight = 0
+        self.successes = 0
+        self.ignored = 0
+        self.dropped = 0
+
+    @property
+    def limit(self) -> int:
+        return self.algorithm.limit
+
+    def has_room(self) -> bool:
+        return self.inflight < self.algorithm.limit
+
+    def acquire(self) -> None:
+        self.inflight += 1
+
+    def release(self, now: float, ending: str, tpot: float = 0.0, ttft: float = 0.0,
+                congested: bool = False) -> None:
+        """End one permit: ``ending`` is "success", "ignored" or "dropped".
+
+        ``congested`` (the engine reports a queue with a nearly full KV cache)
+        turns a success into a drop signal for the algorithm.
+        """
+        inflight = self.inflight
+        self.inflight -= 1
+        if ending == "success":
+            self.successes += 1
+            self.algorithm.on_sample(now, tpot, ttft, inflight, congested)
+        elif ending == "dropped":
+            self.dropped += 1
+            self.algorithm.on_sample(now, 0.0, 0.0, inflight, True)
+        else:
+            self.ignored += 1
+
+
+def planned_limit(perf: PerfModel, tpot_s: float, input_tokens: float, output_tokens: float,
+                  cap: int = 4096) -> int:
+    """Largest batch whose step, with its share of chunked prefill, stays within ``tpot_s``.
+
+    In steady state every decode token of a request carries ``input/output``
+    prompt tokens of other requests' prefill in the same steps, so a batch of
+    ``B`` computes ``B * input/output`` prompt tokens a step on top of its
+    decode. The result is capped by the KV cache (``kv tokens / (input +
+    output)``) and by ``cap``; at least 1.
+    """
+    ctx = input_tokens + output_tokens * 0.5
+    per_seq = input_tokens / max(output_tokens, 1.0)
+
+    def step(b: int) -> float:
+        p = b * per_seq
+        return perf.step_time(b, b * ctx, int(p), p, p * p * 0.5)
+
+    kv_cap = int(perf.kv_capacity_tokens / max(input_tokens + output_tokens, 1.0))
+    hi = max(1, min(cap, kv_cap))
+    if step(1) > tpot_s:
+        return 1
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if step(mid) <= tpot_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def make_limit(config: LimitConfig, initial: int, max_limit: int, tpot_slo: float,
+               ttft_slo: float) -> Limit:
+    """Build the algorithm ``config.kind`` for one node."""
+    lo = config.min_limit
+    hi = max(lo, config.max_limit if config.max_limit is not None else max_limit)
+    start = min(max(config.initial if config.initial is not None else initial, lo), hi)
+    if config.kind == "fixed":
+        return FixedLimit(start)
+    if config.kind == "aimd":
+        return AimdLimit(start, tpot_slo, lo, hi, config.backoff)
+    return GradientLimit(start, config.target * tpot_slo, config.target * ttft_slo,
+                         min_limit=lo, max_limit=hi, window=config.window,
+                         update_every=config.update_every, smoothing=config.smoothing,
+                         backoff=config.backoff)
+
+
+def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
+    """Validate a ``limits:`` mapping (None: no limits)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where, "must be a mapping like {kind: gradient}")
+    allowed = ("kind", "initial", "min", "max", "target", "window", "update_every", "smoothing",
+               "backoff", "kv_full", "input_tokens", "output_tokens")
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{where}.{key}", "unknown key", list(allowed))
+    kind = raw.get("kind", "gradient")
+    if kind not in LIMIT_KINDS:
+        raise ConfigError(f"{where}.kind", f"unknown limit kind {kind!r}", list(LIMIT_KINDS))
+
+    def num(key: str, default: float, lo: float, hi: float = math.inf) -> float:
+        v = raw.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+            raise ConfigError(f"{where}.{key}", f"must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        return float(v)
+
+    def opt_int(key: str) -> int | None:
+        v = raw.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{where}.{key}", f"must be an integer >= 1, got {v!r}")
+        return v
+
+    def opt_num(key: str) -> float | None:
+        return num(key, 1.0, 1.0) if raw.get(key) is not None else None
+
+    lo = opt_int("min") or 1
+    hi = opt_int("max")
+    if hi is not None and hi < lo:
+        raise ConfigError(f"{where}.max", f"must be >= min ({lo})")
+    return LimitConfig(
+        kind=str(kind), initial=opt_int("initial"), min_limit=lo, max_limit=hi,
+        target=num("target", 0.9, 0.05, 2.0), window=int(num("window", 40, 1)),
+        update_every=int(num("update_every", 10, 1)), smoothing=num("smoothing", 0.2, 0.0, 1.0),
+        backoff=num("backoff", 0.9, 0.1, 1.0), kv_full=num("kv_full", 0.95, 0.0, 1.0),
+        input_tokens=opt_num("input_tokens"), output_tokens=opt_num("output_tokens"),
+    )
+
+
+__all__ = [
+    "LIMIT_KINDS",
+    "AimdLimit",
+    "FixedLimit",
+    "GradientLimit",
+    "Limit",
+    "LimitConfig",
+    "Limiter",
+    "make_limit",
+    "parse_limits",
+    "planned_limit",
+]

@@ -1,0 +1,98 @@
+"""Replay a recording into a fresh balancer and report every decision that differs.
+
+See :mod:`tailguard.core.record` for the format. The replayer applies each
+recorded input with its recorded ``now`` to a new
+:class:`~tailguard.core.balancer.Balancer` whose routing RNG starts in the
+recorded state, and compares what it decides (the node of each ``pick``, the
+events of each ``tick``) with what was recorded. Zero differences means the
+recorded run's decisions are exactly reproducible offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailguard.core.balancer import Balancer, PoolConfig, Ticket
+from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
+from tailguard.core.record import event_to_dict, from_jsonable, rng_from_init
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    records: int = 0
+    decisions: int = 0
+    differences: list[dict[str, Any]] = field(default_factory=list)
+
+
+def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG) -> ReplayResult:
+    out = ReplayResult()
+    balancer: Balancer | None = None
+    tickets: dict[int, Ticket] = {}
+    # Events of the last replayed tick, until the recording says what it had
+    # (an "events" record follows a tick only when the tick decided something).
+    pending: tuple[int, float, list[dict[str, Any]]] | None = None
+
+    def settle(recorded: list[dict[str, Any]]) -> None:
+        nonlocal pending
+        if pending is not None and pending[2] != recorded:
+            out.differences.append({"record": pending[0], "op": "tick", "t": pending[1],
+                                    "recorded": recorded, "replayed": pending[2]})
+        pending = None
+
+    for i, rec in enumerate(records):
+        out.records += 1
+        op = rec.get("op")
+        if op == "events":
+            settle(rec["events"])
+            continue
+        settle([])
+        if op == "init":
+            balancer = Balancer([], [], rng_from_init(rec), catalog,
+                                from_jsonable(PerfParams, rec["perf_params"]))
+            tickets.clear()
+            continue
+        if balancer is None:
+            raise ValueError(f"record {i}: {op!r} before 'init'")
+        if op == "add_pool":
+            balancer.add_pool(from_jsonable(PoolConfig, rec["config"]))
+        elif op == "replace_pool":
+            balancer.replace_pool(from_jsonable(PoolConfig, rec["config"]))
+        elif op == "add_node":
+            spec: NodeSpec = from_jsonable(NodeSpec, rec["spec"])
+            balancer.add_node(spec)
+        elif op == "remove_node":
+            balancer.remove_node(rec["node"])
+        elif op == "set_state":
+            balancer.set_state(rec["node"], NodeState(rec["state"]))
+        elif op == "pick":
+            ticket = balancer.pick(rec["model"], rec["prompt_tokens"], rec["t"],
+                                   rec.get("max_tokens"), rec.get("priority", 1),
+                                   tuple(rec.get("exclude", ())))
+            out.decisions += 1
+            got = ticket.node_id if ticket is not None else None
+            if got != rec["node"]:
+                out.differences.append({"record": i, "op": "pick", "t": rec["t"],
+                                        "recorded": rec["node"], "replayed": got})
+            if ticket is not None and rec.get("ticket") is not None:
+                tickets[rec["ticket"]] = ticket
+        elif op == "first_token":
+            t = tickets.get(rec["ticket"])
+            if t is not None:
+                balancer.on_first_token(t, rec["t"])
+        elif op == "finish":
+            t = tickets.pop(rec["ticket"], None)
+            if t is not None:
+                balancer.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"])
+        elif op == "engine_metrics":
+            balancer.on_engine_metrics(rec["node"], rec["t"], rec["running"], rec["waiting"],
+                                       rec["kv_usage"])
+        elif op == "tick":
+            out.decisions += 1
+            pending = (i, rec["t"], [event_to_dict(e) for e in balancer.tick(rec["t"])])
+        else:
+            raise ValueError(f"record {i}: unknown op {op!r}")
+    settle([])
+    return out

@@ -1,0 +1,171 @@
+"""Structured request logs: one line per request, tied to an ``x-request-id``.
+
+Every request gets an id: the client's own ``x-request-id`` when it sends a
+sane one (1-128 characters of ``[A-Za-z0-9._:-]``, so that a header cannot
+forge log lines), else a fresh random one. The id is
+
+* returned in the response header ``x-request-id`` (streams included: it is
+  set in ``on_response_prepare``, before the headers leave),
+* forwarded to the engine as ``x-request-id`` (vLLM and SGLang log it), and
+* a field of the request's log line.
+
+The ``/v1`` requests log one line each on the ``tailguard.request`` logger
+when they end: info for answers, warning for 5xx and client disconnects
+(``499``), with the node, the pool, TTFT, output tokens, end-to-end time and,
+for failures, the failure's origin (an :class:`~tailguard.core.fleet.Outcome`
+value, or ``no_capacity``). Other routes (``/metrics``, the dashboard's state
+polls) log at debug level only.
+
+The proxy adds what it knows through :func:`note` (a dict update: the hot
+path pays no formatting); the line is formatted only when the logger is on.
+
+Two formats (``tailguard serve --log-format text|json``)::
+
+    2026-11-29T21:30:00.123Z INFO tailguard.request: POST /v1/chat/completions 200 id=3f2a... node=h100-0 pool=llama-3.1-8b ttft_s=0.084 tokens=120 e2e_s=1.912
+    {"ts": "2026-11-29T21:30:00.123Z", "level": "info", "logger": "tailguard.request", "msg": "POST /v1/chat/completions 200", "id": "3f2a...", "node": "h100-0", ...}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID = "tailguard.request_id"  # key in the aiohttp request's mapping
+NOTES = "tailguard.log_notes"
+CLIENT_CLOSED = 499
+
+log = logging.getLogger("tailguard.request")
+
+_SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def request_id(request: web.Request) -> str:
+    """The request's id (set by :func:`request_log`; a fresh one for requests it did not see)."""
+    rid = request.get(REQUEST_ID)
+    if not isinstance(rid, str):
+        rid = request[REQUEST_ID] = uuid.uuid4().hex
+    return rid
+
+
+def note(request: web.Request, **fields: Any) -> None:
+    """Add fields to the request's log line (node, pool, ttft_s, tokens, origin...)."""
+    notes = request.get(NOTES)
+    if notes is None:
+        request[NOTES] = fields
+    else:
+        notes.update(fields)
+
+
+@web.middleware
+async def request_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give the request its id and log one line when it ends."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    request[REQUEST_ID] = given if given and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+    t0 = time.monotonic()
+    status = 500
+    node: str | None = None
+    try:
+        resp = await handler(request)
+        status = resp.status
+        node = resp.headers.get("x-tailguard-node")
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
+        raise
+    finally:
+        _emit(request, status, node, time.monotonic() - t0)
+
+
+async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: every response carries the request's id."""
+    rid = request.get(REQUEST_ID)
+    if isinstance(rid, str):
+        response.headers[REQUEST_ID_HEADER] = rid
+
+
+def _emit(request: web.Request, status: int, node: str | None, e2e: float) -> None:
+    proxied = request.path.startswith("/v1/")
+    level = logging.INFO if proxied else logging.DEBUG
+    if proxied and (status >= 500 or status == CLIENT_CLOSED):
+        level = logging.WARNING
+    if not log.isEnabledFor(level):
+        return
+    fields: dict[str, Any] = {"id": request[REQUEST_ID]}
+    if node and node != "-":
+        fields["node"] = node
+    notes = request.get(NOTES)
+    if notes:
+        fields.update(notes)
+    fields["e2e_s"] = round(e2e, 4)
+    log.log(level, "%s %s %d", request.method, request.path, status,
+            extra={"fields": fields})
+
+
+class TextFormatter(logging.Formatter):
+    """``time LEVEL logger: message key=value ...`` (values with spaces are quoted)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return _iso(record.created)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg`` and the fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {"ts": _iso(record.created), "level": record.levelname.lower(),
+                               "logger": record.name, "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if fields:
+            doc.update(fields)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(level: str = "info", fmt: str = "text") -> None:
+    """Root logging for ``tailguard serve``: ``fmt`` is ``text`` or ``json``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+
+
+def _iso(created: float) -> str:
+    t = time.gmtime(created)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{int(created % 1 * 1000):03d}Z"
+
+
+def _text_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    s = str(v)
+    return json.dumps(s) if (" " in s or '"' in s or not s) else s
+
+
+__all__ = ["REQUEST_ID_HEADER", "JsonFormatter", "TextFormatter", "add_request_id_header",
+           "configure_logging", "note", "request_id", "request_log"]
