@@ -207,6 +207,8 @@ class AdmissionQueue:
         return heap[0] if heap else None
 
     def pop(self) -> Waiter:
+        """Remove and return the next entry (call :meth:`peek` first to know there is one)."""
+        self.peek()
         w = heapq.heappop(self._heap)
         self._uncount(w)
         return w

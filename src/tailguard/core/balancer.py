@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from random import Random
 from typing import Any
 
+from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.events import Event
 from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
+from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
 from tailguard.core.predict import decode_step_s, prefill_s
@@ -46,6 +48,8 @@ class PoolConfig:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     slo: Slo = field(default_factory=Slo)
     catalog_model: str | None = None  # the catalog entry for the roofline prior
+    limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
+    admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
 
 
 class Ticket:
@@ -57,6 +61,7 @@ class Ticket:
         "batch_at_first",
         "id",
         "node",
+        "permit",
         "pool",
         "prefill_mark",
         "prompt_tokens",
@@ -78,6 +83,7 @@ class Ticket:
         self.batch_at_first = 0
         self.prefill_mark = 0
         self.released = False
+        self.permit: Limiter | None = None  # the node's limiter, when its pool has limits
 
     @property
     def node_id(self) -> str:
@@ -87,7 +93,8 @@ class Ticket:
 class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
-    __slots__ = ("_eligible", "config", "mean_output", "mean_prompt", "name", "nodes", "policy")
+    __slots__ = ("_eligible", "config", "limited", "mean_output", "mean_prompt", "name", "nodes",
+                 "policy", "queue")
 
     def __init__(self, config: PoolConfig, policy: Policy) -> None:
         self.config = config
@@ -99,6 +106,9 @@ class Pool:
         # the end, so the policy uses the pool's mean as the expected length).
         self.mean_prompt = 1000.0
         self.mean_output = 200.0
+        # A queue implies limits (fixed at the plan unless configured).
+        self.limited = config.limits is not None or config.admission is not None
+        self.queue = AdmissionQueue(config.admission) if config.admission is not None else None
 
     def eligible(self) -> list[Node]:
         if self._eligible is None:
@@ -135,6 +145,7 @@ class Balancer:
         self._order = 0
         self._last_tick = -1.0
         self._ticket_seq = 0
+        self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
         if recorder is not None:
             recorder(record_init(rng, perf_params))
         for pc in pools:
@@ -168,6 +179,7 @@ class Balancer:
             pool.mean_prompt = old.mean_prompt
             pool.mean_output = old.mean_output
             pool.invalidate()
+            self._carry_admission(old, pool)
         return pool
 
     def pool_for(self, model: str) -> Pool | None:
@@ -205,6 +217,7 @@ class Balancer:
                 pool = self.add_pool(PoolConfig(name))
             pool.nodes.append(node)
             pool.invalidate()
+        self._attach_limiter(node)
         return node
 
     def remove_node(self, node_id: str) -> None:
@@ -247,6 +260,8 @@ class Balancer:
         nodes: Sequence[Node] = pool.eligible()
         if exclude:
             nodes = [n for n in nodes if n.id not in exclude]
+        if pool.limited:
+            nodes = [n for n in nodes if n.limiter is None or n.limiter.has_room()]
         if not nodes:
             return None
         req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
@@ -268,6 +283,9 @@ class Balancer:
         node.prefill_backlog += prompt_tokens
         node.prefill_tokens_total += prompt_tokens
         node.dispatched_total += 1
+        if node.limiter is not None:
+            node.limiter.acquire()
+            ticket.permit = node.limiter
         pool.mean_prompt += (prompt_tokens - pool.mean_prompt) * 0.01
         return ticket
 
@@ -313,6 +331,8 @@ class Balancer:
             node.decoding -= 1
         if self.outliers is not None:
             self.outliers.on_outcome(node, outcome, now)
+        if ticket.permit is not None:
+            self._release_permit(ticket, now, outcome, output_tokens)
         if outcome is not Outcome.OK:
             return
         pool = ticket.pool

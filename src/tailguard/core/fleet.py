@@ -16,6 +16,7 @@ from typing import Protocol
 
 from tailguard.core.estimate import CapacityEstimate, Ewma, PeakEwma
 from tailguard.core.hardware import GPU, PerfModel
+from tailguard.core.limits import Limiter
 
 
 class Outcome(enum.Enum):
@@ -138,6 +139,7 @@ class Node:
         "id",
         "in_flight",
         "latency",
+        "limiter",
         "order",
         "out_tokens_per_s",
         "perf",
@@ -179,6 +181,8 @@ class Node:
         self.engine_waiting = -1
         self.engine_kv_usage = -1.0
         self.engine_metrics_at = -1.0
+        # Concurrency limit when a pool of the node has limits (core/limits.py).
+        self.limiter: Limiter | None = None
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -1,4 +1,4 @@
-"""``tailguard serve --config fleet.yaml [--listen HOST:PORT] [--log-level LEVEL]``.
+"""``tailguard serve --config fleet.yaml [--listen HOST:PORT] [--log-level LEVEL] [--log-format text|json]``.
 
 The main CLI (:mod:`tailguard.cli`) calls :func:`add_parser`; a
 :class:`~tailguard.errors.ConfigError` raised here (an invalid fleet file or
@@ -8,16 +8,15 @@ The main CLI (:mod:`tailguard.cli`) calls :func:`add_parser`; a
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tailguard.gateway.config import load_fleet, parse_listen
+    from tailguard.gateway.logs import configure_logging
     from tailguard.gateway.server import serve
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     config = load_fleet(args.config)
     host, port = config.listen
     if args.listen:
@@ -37,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "`tailguard replay`")
     p.add_argument("--log-level", default=os.environ.get("TAILGUARD_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default=os.environ.get("TAILGUARD_LOG_FORMAT", "text"),
+                   choices=["text", "json"],
+                   help="one line per request, as key=value text or JSON (default text)")
     p.add_argument("--access-log", action="store_true",
                    help="log every request (costs throughput)")
     p.set_defaults(func=cmd_serve)
