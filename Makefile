@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck unit bench clean
+.PHONY: install sysdeps demo test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) sysdeps
+
+# Debian packages the Prometheus and headless-browser tests run: installed when
+# a binary is missing and root can apt-get; otherwise those tests skip, saying why.
+SYSDEPS_BINS := prometheus promtool chromium chromedriver
+sysdeps:
+	@missing=""; for b in $(SYSDEPS_BINS); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "sysdeps: installing prometheus chromium chromium-driver (missing:$$missing)"; \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	      prometheus chromium chromium-driver) \
+	      || echo "sysdeps: apt-get failed; the Prometheus/Chromium tests will skip"; \
+	  else \
+	    echo "sysdeps: missing$$missing and no root apt-get; the Prometheus/Chromium tests will skip"; \
+	  fi; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/tailguard demo
@@ -26,7 +42,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest
 
-test: lint typecheck unit
+test: sysdeps lint typecheck unit
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py

@@ -4,7 +4,11 @@ A zero-delay emulated engine (``speed=inf``: answers at once) isolates the
 gateway's own cost. Measures, side by side in the same process and run:
 
 * added p50/p99 latency at concurrency 1, non-streaming and streaming;
-* the highest non-streaming request rate at 64 connections (closed loop).
+* the highest non-streaming request rate at 64 connections (closed loop);
+* with ``--wrk`` (and Debian's ``wrk`` installed), the same rate with the
+  engine and the gateway in their own processes (``tailguard emulate``,
+  ``tailguard serve``) and the load from ``wrk``, so that the client's cost
+  does not count against the gateway.
 
 Goal (issue 3): added p50 <= 1 ms at concurrency 1, >= 4,000 req/s through
 the gateway. Prints what it measured; asserts nothing. Load generator,
@@ -20,7 +24,14 @@ import argparse
 import asyncio
 import json
 import math
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -95,10 +106,76 @@ async def main(requests: int, seconds: float) -> None:
                   f"{rates['gateway']:12.0f}   ratio {rates['gateway'] / rates['direct']:.2f}")
 
 
+WRK_LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '%s'
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def wrk_rate(url: str, lua: Path, seconds: float, conns: int = 64) -> float:
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "-s", str(lua), url],
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if m is None or "Non-2xx" in out:
+        raise RuntimeError(f"wrk failed:\n{out}")
+    return float(m.group(1))
+
+
+def separate_processes(seconds: float) -> None:
+    if shutil.which("wrk") is None:
+        print("--wrk: wrk is not installed (apt-get install wrk); skipped")
+        return
+    tailguard = str(Path(sys.executable).with_name("tailguard"))
+    with tempfile.TemporaryDirectory() as tmp:
+        gw_port, eng_port = free_port(), free_port()
+        fleet = Path(tmp) / "fleet.yaml"
+        fleet.write_text(f"listen: 127.0.0.1:{gw_port}\nnodes:\n"
+                         f"  - {{id: e0, url: http://127.0.0.1:{eng_port}, gpu: H100, "
+                         f"models: [{MODEL}]}}\n")
+        lua = Path(tmp) / "post.lua"
+        lua.write_text(WRK_LUA % body(False).decode())
+        procs = [subprocess.Popen([tailguard, "emulate", "--fleet", str(fleet), "--speed", "inf"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                 subprocess.Popen([tailguard, "serve", "--config", str(fleet), "--log-level",
+                                   "warning"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)]
+        try:
+            wait_for(eng_port)
+            wait_for(gw_port)
+            time.sleep(1.0)
+            path = "/v1/chat/completions"
+            direct = wrk_rate(f"http://127.0.0.1:{eng_port}{path}", lua, seconds)
+            gateway = wrk_rate(f"http://127.0.0.1:{gw_port}{path}", lua, seconds)
+            print(f"wrk, separate processes, 64 connections, non-streaming req/s: direct "
+                  f"{direct:.0f}, gateway {gateway:.0f}, ratio {gateway / direct:.2f}")
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=10)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--wrk", action="store_true", help="also measure with wrk, separate processes")
     args = ap.parse_args()
     try:
         import uvloop
@@ -107,3 +184,5 @@ if __name__ == "__main__":
     except ImportError:
         pass
     asyncio.run(main(args.requests, args.seconds))
+    if args.wrk:
+        separate_processes(args.seconds)

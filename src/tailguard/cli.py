@@ -64,9 +64,14 @@ def _per_gpu_table(doc: dict[str, Any]) -> Table:
 def cmd_sim(args: argparse.Namespace) -> int:
     from tailguard.sim.run import RunOptions, simulate
     from tailguard.sim.scenario import load_scenario, parse_policies
+    from tailguard.sim.sweep import parse_sweep, run_sweep
 
     scn = load_scenario(args.scenario)
     policies = parse_policies(args.policies, "--policies") if args.policies else None
+    loads = parse_sweep(args.sweep) if args.sweep else None
+    if loads and (args.load is not None or args.rate is not None):
+        raise ConfigError("--sweep", "sets the loads itself; drop --load/--rate")
+    records: dict[str, Any] | None = {} if args.report else None
     opts = RunOptions(rate=args.rate, load=args.load, duration_s=args.duration, seed=args.seed,
                       find_goodput=args.find_goodput, attainment=args.attainment)
     console = Console(stderr=True)
@@ -80,13 +85,34 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 tasks[label] = bar.add_task(label, total=horizon, t="")
             bar.update(tasks[label], completed=min(t, horizon), t=f"{t:.0f}/{horizon:.0f} s")
 
-        doc = simulate(scn, policies, opts, progress)
+        doc = simulate(scn, policies, opts, progress, records)
+        if loads:
+            doc["sweep"] = run_sweep(scn, loads, policies, opts, progress)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     out = Console() if Console().is_terminal else Console(width=160)
     out.print(_sim_table(doc))
     out.print(_per_gpu_table(doc))
+    if loads:
+        out.print(_sweep_table(doc))
+    if args.report:
+        from tailguard.sim.report import write_scenario_report
+
+        write_scenario_report(args.report, scn, opts, doc, records or {}, args.report_figures)
+        out.print(f"report: {args.report}")
     return 0
+
+
+def _sweep_table(doc: dict[str, Any]) -> Table:
+    sweep = doc["sweep"]
+    names = list(sweep[0]["results"]) if sweep else []
+    table = Table(title="SLO attainment against load (--sweep)")
+    for col in ("load", "offered/s", *names):
+        table.add_column(col, justify="right")
+    for p in sweep:
+        table.add_row(f"{p['load']:g}", _fmt(p["offered_rps"], 1),
+                      *(_fmt(p["results"][n]["slo_attainment"], 4) for n in names))
+    return table
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
@@ -182,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also search the highest rate meeting the attainment target")
     p.add_argument("--attainment", type=float, help="target for --find-goodput (default 0.99)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--report", metavar="HTML",
+                   help="write an HTML report with figures (latency CDFs, load per node, "
+                        "state timeline, the sweep)")
+    p.add_argument("--report-figures", metavar="DIR", help="also save the figures as PNGs here")
+    p.add_argument("--sweep", metavar="START:STOP:STEP",
+                   help="also run every policy at these loads, e.g. 0.5:1.2:0.1")
     p.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("capacity", help="each node's SLO capacity and the fleet's bound")
@@ -194,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tailguard.bench import cli as bench_cli
     from tailguard.emulator import cli as emulator_cli
     from tailguard.gateway import cli as gateway_cli
+    from tailguard.planner import cli as planner_cli
 
-    for mod in (gateway_cli, emulator_cli, bench_cli, demo):
+    for mod in (gateway_cli, emulator_cli, bench_cli, demo, planner_cli):
         mod.add_parser(sub)
 
     p = sub.add_parser("replay", help="replay a `serve --record` file into a fresh balancer "

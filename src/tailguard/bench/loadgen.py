@@ -53,7 +53,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,7 @@ class BenchConfig:
     drain_s: float = 60.0  # after the last arrival, how long to let requests finish
     timeout_s: float = 600.0  # per request
     label: str = "bench"
+    headers: Mapping[str, str] = field(default_factory=dict)  # extra request headers
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -171,6 +172,7 @@ class LoadGenerator:
         self.headers = {"Content-Type": "application/json"}
         if cfg.api_key:
             self.headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self.headers.update(cfg.headers)
         self._t0 = 0.0
         self._clock = time.perf_counter
         self._session: aiohttp.ClientSession | None = None

@@ -109,7 +109,7 @@ class AdmissionQueue:
     """One pool's queue: bounded, ordered by (priority, deadline, arrival)."""
 
     __slots__ = ("_heap", "_rate", "_rate_t", "_seq", "by_priority", "bytes", "config", "length",
-                 "shed_total")
+                 "service_ttft", "shed_total")
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -121,12 +121,29 @@ class AdmissionQueue:
         self._rate = 0.0  # decayed count of releases
         self._rate_t = 0.0
         self.shed_total: dict[str, int] = {}
+        # Recent node-side TTFT (dispatch to first token): a request must leave
+        # the queue at least this long before its deadline to meet it.
+        self.service_ttft = 0.0
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting now."""
+        return self.length
+
+    def __len__(self) -> int:
+        return self.length
 
     # -- drain-rate estimate -------------------------------------------------
 
-    def on_release(self, now: float) -> None:
+    def on_release(self, now: float, ttft: float = 0.0) -> None:
         self._rate = self._decayed(now) + 1.0
         self._rate_t = now
+        if ttft > 0.0:
+            self.service_ttft += (ttft - self.service_ttft) * 0.05
+
+    def latest_start(self, w: Waiter) -> float:
+        """The last moment ``w`` can leave the queue and still meet its deadline."""
+        return w.deadline - self.service_ttft
 
     def drain_rate(self, now: float) -> float:
         """Permit releases per second lately (0 until the first release)."""
@@ -152,11 +169,12 @@ class AdmissionQueue:
     def offer(self, w: Waiter, now: float) -> tuple[Shed | None, list[Waiter]]:
         """Queue ``w`` or refuse it; returns (refusal or None, entries it displaced)."""
         cfg = self.config
-        if cfg.shed_on_predicted_wait and w.deadline < math.inf and self.length:
-            # With nothing queued the request is next: it waits for one
-            # release, which the deadline check at dispatch covers.
-            if now + self.predicted_wait(w.priority, now) > w.deadline:
-                return self._shed("deadline", now), []
+        # With nothing queued the request is next: it waits for one release,
+        # which the deadline check at dispatch covers.
+        # Before any release there is no drain rate to predict from.
+        if (cfg.shed_on_predicted_wait and w.deadline < math.inf and self.length
+                and math.inf > now + self.predicted_wait(w.priority, now) > self.latest_start(w)):
+            return self._shed("deadline", now), []
         displaced: list[Waiter] = []
         while self.length and (self.length >= cfg.queue_max
                                or self.bytes + w.size_bytes > cfg.queue_max_bytes):
@@ -213,6 +231,10 @@ class AdmissionQueue:
         self._uncount(w)
         return w
 
+    def queued(self) -> list[Waiter]:
+        """The entries still waiting, in queue order."""
+        return sorted(w for w in self._heap if w.state == "queued")
+
     def cancel(self, w: Waiter) -> bool:
         """The client went away: leave the queue now. False if it was not queued."""
         if w.state != "queued":
@@ -225,7 +247,7 @@ class AdmissionQueue:
         """Entries past their deadline, removed (the caller sheds them)."""
         if not self.config.expire or not self.length:
             return []
-        late = [w for w in self._heap if w.state == "queued" and w.deadline <= now]
+        late = [w for w in self._heap if w.state == "queued" and self.latest_start(w) <= now]
         for w in late:
             w.state = "shed"
             self._uncount(w)

@@ -23,7 +23,7 @@ from random import Random
 from typing import Any
 
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
-from tailguard.core.events import Event
+from tailguard.core.events import Event as Event  # re-exported: drivers import it here
 from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
@@ -146,6 +146,9 @@ class Balancer:
         self._last_tick = -1.0
         self._ticket_seq = 0
         self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
+        # Called (no arguments) when queue decisions await poll_queue: lets an
+        # event-loop driver wake its queued requests without polling.
+        self.on_queue_decision: Callable[[], None] | None = None
         if recorder is not None:
             recorder(record_init(rng, perf_params))
         for pc in pools:
@@ -348,6 +351,158 @@ class Balancer:
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is not None:
                 self.outliers.on_decode(node, tpot, expected_step)
+
+    # -- concurrency limits and the admission queue (core/limits.py, admission.py) --
+
+    def admit(
+        self,
+        model: str,
+        prompt_tokens: int,
+        now: float,
+        max_tokens: int | None = None,
+        priority: int = 1,
+        exclude: Sequence[str] = (),
+        ttft_s: float | None = None,
+        size_bytes: int = 0,
+        payload: Any = None,
+    ) -> Ticket | Waiter | Shed | None:
+        """Admit a request: a Ticket (dispatched now), a Waiter (queued), a Shed
+        (answer 429 now) or None (no routable node: as :meth:`pick`).
+
+        Without limits on the pool this is exactly :meth:`pick`. A queued
+        request's decision comes later from :meth:`poll_queue`, which the
+        driver calls after every ``on_finish`` and periodically; ``payload``
+        is the driver's own handle for it. ``ttft_s`` overrides the pool's
+        TTFT SLO for the deadline (header ``x-slo-ttft-ms``).
+        """
+        pool = self.pools.get(model)
+        if pool is None or not pool.limited:
+            return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
+        queue = pool.queue
+        if queue is None or queue.length == 0:
+            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
+            if ticket is not None:
+                return ticket
+        if not any(n.id not in exclude for n in pool.eligible()):
+            return None
+        if queue is None:
+            return Shed("no_capacity", 1.0)
+        deadline = now + (ttft_s if ttft_s is not None else pool.config.slo.ttft_s)
+        waiter = Waiter(model, prompt_tokens, max_tokens, priority, now, deadline, size_bytes,
+                        exclude, payload)
+        shed, displaced = queue.offer(waiter, now)
+        for w in displaced:
+            self._queue_decisions.append((w, Shed("displaced", queue.retry_after(now))))
+        if displaced and self.on_queue_decision is not None:
+            self.on_queue_decision()
+        return shed if shed is not None else waiter
+
+    def poll_queue(self, now: float) -> list[tuple[Waiter, Ticket | Shed]]:
+        """Late binding: dispatch queued requests onto freed permits, shed expired ones.
+
+        Returns every decision taken since the last call (also displacements
+        made by :meth:`admit`), in order. Never raises for an empty queue.
+        """
+        out = self._queue_decisions
+        self._queue_decisions = []
+        for pool in self.pools.values():
+            if pool.queue is not None and pool.queue.length:
+                self._drain(pool, now, out, scan=True)
+        return out
+
+    def cancel_queued(self, waiter: Waiter) -> bool:
+        """The client left while queued: drop it now. False if no longer queued."""
+        pool = self.pools.get(waiter.model)
+        return pool is not None and pool.queue is not None and pool.queue.cancel(waiter)
+
+    def _drain(self, pool: Pool, now: float, out: list[tuple[Waiter, Ticket | Shed]],
+               scan: bool) -> None:
+        queue = pool.queue
+        assert queue is not None
+        if scan:
+            for late in queue.expire(now):
+                out.append((late, Shed("expired", queue.retry_after(now))))
+        while (w := queue.peek()) is not None:
+            if queue.config.expire and queue.latest_start(w) <= now:
+                queue.pop()
+                w.state = "shed"
+                queue.shed_total["expired"] = queue.shed_total.get("expired", 0) + 1
+                out.append((w, Shed("expired", queue.retry_after(now))))
+                continue
+            ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, w.exclude)
+            if ticket is None:
+                return
+            queue.pop()
+            w.state = "dispatched"
+            out.append((w, ticket))
+
+    def _release_permit(self, ticket: Ticket, now: float, outcome: Outcome,
+                        output_tokens: int) -> None:
+        permit = ticket.permit
+        assert permit is not None
+        node = ticket.node
+        if outcome is Outcome.OK:
+            tpot = 0.0
+            if ticket.t_first >= 0.0 and output_tokens >= 2:
+                tpot = (now - ticket.t_first) / (output_tokens - 1)
+            ttft = ticket.t_first - ticket.t_dispatch if ticket.t_first >= 0.0 else 0.0
+            # The engine's own queue with a nearly full KV cache: the batch is
+            # past what its memory holds, whatever the latencies say yet.
+            congested = (node.engine_waiting > 0 and node.engine_kv_usage >= permit.kv_full
+                         and now - node.engine_metrics_at < 2.0)
+            permit.release(now, "success", tpot, ttft, congested)
+            if ticket.pool.queue is not None:
+                ticket.pool.queue.on_release(now, ttft)
+        elif outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_429):
+            permit.release(now, "dropped")
+        else:
+            permit.release(now, "ignored")
+        queue = ticket.pool.queue
+        if queue is not None:
+            if outcome is not Outcome.OK:
+                queue.on_release(now)
+            if queue.length:
+                self._drain(ticket.pool, now, self._queue_decisions, scan=False)
+                if self._queue_decisions and self.on_queue_decision is not None:
+                    self.on_queue_decision()
+
+    def _attach_limiter(self, node: Node) -> None:
+        for name in node.spec.models:
+            pool = self.pools.get(name)
+            if pool is None or not pool.limited:
+                continue
+            cfg = pool.config.limits or LimitConfig(kind="fixed")
+            slo = pool.config.slo
+            prompt = cfg.input_tokens if cfg.input_tokens is not None else pool.mean_prompt
+            output = cfg.output_tokens if cfg.output_tokens is not None else pool.mean_output
+            cap = min(node.slots, max(1, int(node.perf.kv_capacity_tokens / (prompt + output))))
+            initial = planned_limit(node.perf, cfg.target * slo.tpot_s, prompt, output, cap)
+            limiter = Limiter(make_limit(cfg, initial, cap, slo.tpot_s, slo.ttft_s), cfg.kv_full)
+            if node.limiter is not None:  # a reload: permits in flight stay counted
+                limiter.inflight = node.limiter.inflight
+            node.limiter = limiter
+            return
+        node.limiter = None
+
+    def _carry_admission(self, old: Pool, pool: Pool) -> None:
+        """A reloaded pool keeps its queued requests (or sheds them without a queue)."""
+        for node in pool.nodes:
+            if pool.limited or node.limiter is not None:
+                self._attach_limiter(node)
+        if old.queue is None:
+            return
+        for waiter in old.queue.queued():
+            old.queue.cancel(waiter)
+            shed = Shed("no_capacity", 1.0)
+            if pool.queue is not None:
+                found, displaced = pool.queue.offer(waiter, waiter.arrival)
+                for d in displaced:
+                    self._queue_decisions.append((d, Shed("displaced", 1.0)))
+                if found is None:
+                    continue
+                shed = found
+            waiter.state = "shed"
+            self._queue_decisions.append((waiter, shed))
 
     def on_engine_metrics(
         self, node_id: str, now: float, running: int, waiting: int, kv_usage: float

@@ -17,8 +17,12 @@ trip time against its no-load minimum:
   ``limit = max(min, min(limit - 1, floor(backoff * limit)))``; otherwise
   ``limit + 1`` while at least half of it is in use.
 * ``gradient`` (Gradient2-style, the default): every ``update_every`` samples,
-  take the recent p90 of TPOT (and of the node-side TTFT) over a window;
-  ``gradient = clamp(min(target_tpot / p90_tpot, target_ttft / p90_ttft), 0.5, 1)``.
+  take a recent high percentile ``pq`` of TPOT (and of the node-side TTFT)
+  over a window of ``window`` samples;
+  ``gradient = clamp(min(target_tpot / pq_tpot, target_ttft / pq_ttft), 0.5, 1)``.
+  ``percentile`` defaults to 0.99, not 0.9: the SLO is judged on the tail,
+  and on a weak GPU the tail comes from short answers that shared their few
+  steps with other requests' prefill chunks, which a p90 does not see.
   Under target (gradient 1) and while at least half the limit is in use, the
   new limit is ``limit + sqrt(limit)`` (Gradient2's queue allowance); over
   target it is ``limit * gradient``. The result is smoothed,
@@ -33,9 +37,9 @@ stays within ``target * slo_tpot`` at the workload's typical context, capped
 by the KV cache.
 
 Worked example (gradient, smoothing 0.2, target 0.9, SLO TPOT 100 ms): a
-node at limit 64 reports a window whose p90 TPOT is 120 ms against its
+node at limit 64 reports a window whose p99 TPOT is 120 ms against its
 90 ms target: gradient = 0.75, new = 48, smoothed 64 * 0.8 + 48 * 0.2 =
-60.8. Once p90 is back under 90 ms with 40 of 60 in flight, new =
+60.8. Once p99 is back under 90 ms with 40 of 60 in flight, new =
 60.8 + sqrt(60.8) = 68.6 and the limit climbs to 62.4.
 """
 
@@ -63,7 +67,8 @@ class LimitConfig:
     initial: int | None = None  # None: planned from the roofline model
     min_limit: int = 1
     max_limit: int | None = None  # None: the node's slots (max_num_seqs, KV)
-    target: float = 0.9  # share of the SLO the recent p90 aims at
+    target: float = 0.9  # share of the SLO the recent percentile aims at
+    percentile: float = 0.99  # the gradient's signal: this percentile of the window
     window: int = 40  # samples in the percentile window
     update_every: int = 10  # samples between gradient updates
     smoothing: float = 0.2
@@ -134,12 +139,15 @@ class GradientLimit:
     """Gradient2-style limit on the recent p90 of TPOT and TTFT against their targets."""
 
     __slots__ = ("_estimate", "_n", "_tpots", "_ttfts", "backoff", "max_limit", "min_limit",
-                 "smoothing", "target_tpot", "target_ttft", "update_every", "window")
+                 "percentile", "smoothing", "target_tpot", "target_ttft", "update_every",
+                 "window")
 
     def __init__(self, initial: int, target_tpot: float, target_ttft: float, *,
                  min_limit: int = 1, max_limit: int = 256, window: int = 40,
-                 update_every: int = 10, smoothing: float = 0.2, backoff: float = 0.9) -> None:
+                 update_every: int = 10, smoothing: float = 0.2, backoff: float = 0.9,
+                 percentile: float = 0.99) -> None:
         self.min_limit, self.max_limit = min_limit, max_limit
+        self.percentile = percentile
         self._estimate = float(min(max(initial, min_limit), max_limit))
         self.target_tpot, self.target_ttft = target_tpot, target_ttft
         self.window, self.update_every = window, update_every
@@ -171,9 +179,9 @@ class GradientLimit:
         self._n = 0
         gradient = 1.0
         if self._tpots:
-            gradient = min(gradient, self.target_tpot / _p90(self._tpots))
+            gradient = min(gradient, self.target_tpot / _quantile(self._tpots, self.percentile))
         if self._ttfts:
-            gradient = min(gradient, self.target_ttft / _p90(self._ttfts))
+            gradient = min(gradient, self.target_ttft / _quantile(self._ttfts, self.percentile))
         est = self._estimate
         if gradient >= 1.0:
             # Grow only while the limit is actually used: an idle node's fast
@@ -193,9 +201,9 @@ def _push(ring: list[float], value: float, size: int) -> None:
         del ring[0]
 
 
-def _p90(values: list[float]) -> float:
+def _quantile(values: list[float], q: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, int(0.9 * len(s)))]
+    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 class Limiter:
@@ -284,7 +292,7 @@ def make_limit(config: LimitConfig, initial: int, max_limit: int, tpot_slo: floa
     return GradientLimit(start, config.target * tpot_slo, config.target * ttft_slo,
                          min_limit=lo, max_limit=hi, window=config.window,
                          update_every=config.update_every, smoothing=config.smoothing,
-                         backoff=config.backoff)
+                         backoff=config.backoff, percentile=config.percentile)
 
 
 def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
@@ -293,7 +301,7 @@ def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError(where, "must be a mapping like {kind: gradient}")
-    allowed = ("kind", "initial", "min", "max", "target", "window", "update_every", "smoothing",
+    allowed = ("kind", "initial", "min", "max", "target", "percentile", "window", "update_every", "smoothing",
                "backoff", "kv_full", "input_tokens", "output_tokens")
     for key in raw:
         if key not in allowed:
@@ -325,7 +333,8 @@ def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
         raise ConfigError(f"{where}.max", f"must be >= min ({lo})")
     return LimitConfig(
         kind=str(kind), initial=opt_int("initial"), min_limit=lo, max_limit=hi,
-        target=num("target", 0.9, 0.05, 2.0), window=int(num("window", 40, 1)),
+        target=num("target", 0.9, 0.05, 2.0), percentile=num("percentile", 0.99, 0.5, 1.0),
+        window=int(num("window", 40, 1)),
         update_every=int(num("update_every", 10, 1)), smoothing=num("smoothing", 0.2, 0.0, 1.0),
         backoff=num("backoff", 0.9, 0.1, 1.0), kv_full=num("kv_full", 0.95, 0.0, 1.0),
         input_tokens=opt_num("input_tokens"), output_tokens=opt_num("output_tokens"),

@@ -48,21 +48,30 @@ Lifecycle
 ---------
 ::
 
-    healthy --K flagged intervals--> degraded --still >= slow_ratio--> quarantined
+    healthy --K flagged intervals--> degraded --still >= quarantine_ratio--> quarantined
        ^  \\--failures/hang----------------------------------------------^   |
        |           (recover_intervals clean)                               backoff
        +------------- probation (canary weight, slow-start ramp) <---------+
                           \\--flagged or failing--> quarantined (n+1)
 
 * **degraded**: still routed, ``weight_scale = 1/s`` (the policy divides its
-  cost by it), refreshed every interval.
+  cost by it, so the node is priced at the speed it really has), refreshed
+  every interval; ``recover_intervals`` clean intervals make it healthy (an
+  interval without samples multiplies its weight by ``regain_factor``, so
+  the router tries it again and it is healthy once the weight is back to 1). A
+  slow node still delivers capacity the pool may need: taking a card at 40%
+  out of a busy fleet makes every other node's queue longer (measured: P99
+  TTFT 16x the no-fault run instead of 1.1x), so only a node at least
+  ``quarantine_ratio`` (3x) slow for K more intervals, in decode *and*
+  prefill, is quarantined.
 * **quarantined**: no new requests (in-flight ones finish); after a backoff of
   ``base_ejection_s * 2^(n-1)`` capped at ``max_ejection_s``, times
   ``1 +- jitter`` from the injected rng (Envoy multiplies linearly; the issue
   asks for exponential), it goes on probation.
 * **probation**: ``weight_scale`` ramps from ``canary_weight`` to 1 over
-  ``slow_start_s`` (Envoy's slow start); a flagged interval or a failure
-  trigger sends it back, ``n + 1``; ``slow_start_s`` clean makes it healthy.
+  ``slow_start_s`` (Envoy's slow start); a failure trigger or a flagged
+  interval at ``quarantine_ratio`` sends it back, ``n + 1`` (a milder flag
+  degrades it); ``slow_start_s`` without either makes it healthy.
 
 The **ejection cap** (Envoy's ``max_ejection_percent``, here by capacity):
 quarantining a node must not take more than ``max_ejection_share`` (34%) of
@@ -96,12 +105,18 @@ class OutlierConfig:
     consecutive_intervals: int = 2  # K: flagged intervals in a row before acting
     z_threshold: float = 3.5
     slow_ratio: float = 1.5  # absolute bound on calibrated slowness
+    # Slow but working nodes are degraded (priced at their measured speed);
+    # only this slow are they worth nothing to the pool and quarantined.
+    quarantine_ratio: float = 3.0
     mad_floor: float = 0.05  # in log space: the card-to-card spread must not trigger
     min_peers: int = 3
     min_samples: int = 3  # per kind and interval
     history_intervals: int = 3  # own-history calibration needs this many
     history_alpha: float = 0.2
     recover_intervals: int = 3  # clean intervals before a degraded node is healthy
+    # A degraded node the router stops using gives no samples to clear it: it
+    # regains weight by this factor per interval without samples, healthy at 1.
+    regain_factor: float = 1.25
     consecutive_failures: int = 5
     failure_ratio: float = 0.5
     failure_min_requests: int = 10
@@ -196,9 +211,12 @@ class NodeHealth:
 class Verdict:
     """One node's calibrated slowness for an interval, and whether it is flagged."""
 
-    slowness: float
+    slowness: float  # the larger of the prefill and decode slowness
     flagged: bool
     why: str
+    # The smaller of the two: what both kinds agree on. TTFT carries the queue a
+    # node built before it was caught, so quarantine waits for decode too.
+    floor: float = 0.0
 
 
 class OutlierDetector:
@@ -342,8 +360,14 @@ class OutlierDetector:
                     flagged = z > cfg.z_threshold or s > cfg.slow_ratio
                     why = f"{name} {s:.2f}x {how}" + (f" (z {z:.1f})" if peers else "")
                     prev = out.get(node.id)
-                    if prev is None or (flagged, s) > (prev.flagged, prev.slowness):
-                        out[node.id] = Verdict(s, flagged, why)
+                    if prev is None:
+                        out[node.id] = Verdict(s, flagged, why, s)
+                    else:
+                        floor = min(s, prev.floor)
+                        if (flagged, s) > (prev.flagged, prev.slowness):
+                            out[node.id] = Verdict(s, flagged, why, floor)
+                        else:
+                            out[node.id] = Verdict(prev.slowness, prev.flagged, prev.why, floor)
         return out
 
     def _evaluate(self, now: float, nodes: Mapping[str, Node], pools: list[PoolView],
@@ -360,6 +384,11 @@ class OutlierDetector:
                             f"{h.failures} of {h.requests} requests failed")
             elif v is not None and state.routable:
                 self._judge(node, h, v, now, pools, rng, events)
+            elif state is NodeState.DEGRADED and not (h.prefill.n or h.decode.n):
+                node.weight_scale = min(1.0, node.weight_scale * cfg.regain_factor)
+                if node.weight_scale >= 1.0:
+                    self._set(node, h, NodeState.HEALTHY, now, pools, events,
+                              "recovered: weight regained without samples")
             self._learn_history(node, h, v)
             h.prefill.reset()
             h.decode.reset()
@@ -382,10 +411,16 @@ class OutlierDetector:
         h.clean_streak = 0
         h.flagged_streak += 1
         if node.state is NodeState.PROBATION:
-            self._eject(node, h, now, pools, rng, events, f"slow on probation: {v.why}")
+            if v.floor >= cfg.quarantine_ratio:
+                self._eject(node, h, now, pools, rng, events, f"slow on probation: {v.why}")
+            else:
+                node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
+                self._set(node, h, NodeState.DEGRADED, now, pools, events,
+                          f"slow on probation: {v.why}")
         elif node.state is NodeState.DEGRADED:
             node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
-            if h.flagged_streak > cfg.consecutive_intervals and v.slowness >= cfg.slow_ratio:
+            if (h.flagged_streak > cfg.consecutive_intervals
+                    and v.floor >= cfg.quarantine_ratio):
                 self._eject(node, h, now, pools, rng, events, f"slow: {v.why}")
         elif h.flagged_streak >= cfg.consecutive_intervals:
             node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)

@@ -13,6 +13,11 @@ Off unless ``admin.token_env`` names an environment variable holding a token
 * ``POST /admin/nodes/{id}/drain``: no new requests; in-flight ones finish.
 * ``POST /admin/nodes/{id}/resume``: back into rotation after a drain.
 * ``DELETE /admin/nodes/{id}``: drain, then remove once idle (202).
+* ``POST /admin/nodes/{id}/cordon`` / ``uncordon``: out of rotation by hand
+  (the outlier detector leaves a cordoned node alone) and back (409 unless
+  cordoned).
+* ``GET /admin/events[?since=SEQ]``: the recent core events (state changes,
+  detections) and remediation results (:mod:`tailguard.gateway.event_log`).
 
 Registered nodes live until removed or restart; a reload of the fleet file
 leaves them alone.
@@ -35,6 +40,17 @@ from tailguard.gateway.config import parse_node
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.metrics import capacity_tokens_per_s
 
+
+def outlier_view(fleet: LiveFleet, node_id: str) -> dict[str, Any] | None:
+    """What the outlier detector holds on a node (None when detection is off)."""
+    det = fleet.balancer.outliers
+    h = det.health.get(node_id) if det is not None else None
+    if h is None:
+        return None
+    node = fleet.balancer.nodes[node_id]
+    return {"slowness": round(h.slowness, 3), "weight_scale": round(node.weight_scale, 3),
+            "ejections": h.ejections, "consecutive_failures": h.consecutive_failures}
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -54,6 +70,9 @@ class AdminApi:
             web.post("/admin/nodes/{id}/drain", self._guard(self.drain)),
             web.post("/admin/nodes/{id}/resume", self._guard(self.resume)),
             web.delete("/admin/nodes/{id}", self._guard(self.delete)),
+            web.post("/admin/nodes/{id}/cordon", self._guard(self.cordon)),
+            web.post("/admin/nodes/{id}/uncordon", self._guard(self.uncordon)),
+            web.get("/admin/events", self._guard(self.events)),
         ]
 
     def _guard(self, handler: Handler) -> Handler:
@@ -111,6 +130,36 @@ class AdminApi:
         self.fleet.set_state(node.id, NodeState.HEALTHY)
         return _json(self.describe(node))
 
+    async def cordon(self, request: web.Request) -> web.StreamResponse:
+        """Out of rotation by hand; the outlier detector leaves a cordoned node alone."""
+        node = self._node(request)
+        if node is None:
+            return error_response(404, "no such node", "node_not_found")
+        self.fleet.set_state(node.id, NodeState.CORDONED)
+        self.fleet.event_log.add({"node": node.id, "kind": "state", "state": "cordoned",
+                                  "reason": "operator"})
+        return _json(self.describe(node))
+
+    async def uncordon(self, request: web.Request) -> web.StreamResponse:
+        node = self._node(request)
+        if node is None:
+            return error_response(404, "no such node", "node_not_found")
+        if node.state is not NodeState.CORDONED:
+            return error_response(409, f"the node is {node.state.value}, not cordoned",
+                                  "node_not_cordoned")
+        self.fleet.set_state(node.id, NodeState.HEALTHY)
+        self.fleet.event_log.add({"node": node.id, "kind": "state", "state": "healthy",
+                                  "reason": "operator: uncordon"})
+        return _json(self.describe(node))
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """Recent core events and remediation results; ``?since=<seq>`` for newer ones."""
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return error_response(400, "since must be an integer", "invalid_since")
+        return _json({"events": self.fleet.event_log.since(since)})
+
     async def delete(self, request: web.Request) -> web.StreamResponse:
         node = self._node(request)
         if node is None:
@@ -156,6 +205,11 @@ class AdminApi:
             "prefilling": node.prefilling,
             "decoding": node.decoding,
             "slots": node.slots,
+            # Concurrency limit (core/limits.py): None when the pool has no limits.
+            "limit": None if node.limiter is None else {
+                "limit": node.limiter.limit, "in_use": node.limiter.inflight,
+                "successes": node.limiter.successes, "dropped": node.limiter.dropped,
+                "ignored": node.limiter.ignored},
             "dispatched_total": node.dispatched_total,
             "capacity": {
                 "decode_slowdown": node.capacity.decode_slowdown,
@@ -167,4 +221,5 @@ class AdminApi:
             "latency_s": node.latency.decayed(now),
             "engine_metrics": engine,
             "health": health,
+            "outliers": outlier_view(fleet, node.id),
         }

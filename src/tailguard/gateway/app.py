@@ -37,12 +37,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tailguard.gateway.admin import AdminApi
 from tailguard.gateway.api_errors import error_response
 from tailguard.gateway.config import FleetConfig
+from tailguard.gateway.dashboard import Dashboard, setup_dashboard
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import add_request_id_header, request_log
 from tailguard.gateway.metrics import GatewayMetrics
+from tailguard.gateway.outlier_metrics import OutlierCollector
 from tailguard.gateway.proxy import Proxy
 from tailguard.gateway.recording import DecisionFile
 from tailguard.gateway.reload import ConfigReloader
+from tailguard.remediation import Remediator
 
 log = logging.getLogger("tailguard.gateway")
 
@@ -50,6 +53,7 @@ FLEET = web.AppKey("fleet", LiveFleet)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 RELOADER = web.AppKey("reloader", ConfigReloader)
+DASHBOARD = web.AppKey("dashboard", Dashboard)
 
 # Shorter than the 5 s keep-alive of uvicorn (vLLM, SGLang) so that the
 # gateway never reuses a connection the engine is closing at that moment.
@@ -71,6 +75,9 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     proxy = Proxy(fleet, metrics)
     reloader = ConfigReloader(fleet, metrics)
     admin = AdminApi(fleet)
+    remediator = Remediator(fleet, fleet.event_log, metrics.remediation)
+    fleet.event_listeners.append(remediator.on_event)
+    metrics.registry.register(OutlierCollector(fleet))
     app = web.Application(client_max_size=_NO_AIOHTTP_BODY_LIMIT, middlewares=[request_log])
     app.on_response_prepare.append(add_request_id_header)
     app[FLEET] = fleet
@@ -111,6 +118,7 @@ def build_app(config: FleetConfig, rng: Random | None = None,
         *admin.routes(),
         web.route("*", "/v1/{tail:.*}", unknown_route),
     ])
+    app[DASHBOARD] = setup_dashboard(app, fleet)
 
     async def startup(app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
@@ -119,6 +127,7 @@ def build_app(config: FleetConfig, rng: Random | None = None,
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                         timeout=aiohttp.ClientTimeout(total=None))
         proxy.session = session
+        remediator.session = session
         await fleet.start(session)
         reloader.start()
         for w in config.warnings:
@@ -127,6 +136,7 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     async def cleanup(app: web.Application) -> None:
         await reloader.stop()
         await fleet.stop()
+        await remediator.stop()
         if proxy.session is not None:
             await proxy.session.close()
             proxy.session = None

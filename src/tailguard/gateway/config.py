@@ -48,11 +48,16 @@ from typing import Any
 from yarl import URL
 
 from tailguard.config_file import check_keys, read_yaml, require_mapping
+from tailguard.core.admission import AdmissionConfig, parse_admission
 from tailguard.core.balancer import PoolConfig
 from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, GPU, Catalog
+from tailguard.core.limits import LimitConfig, parse_limits
+from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
+from tailguard.core_options import parse_outliers
 from tailguard.errors import ConfigError
+from tailguard.remediation.config import RemediationConfig, parse_remediation
 
 #: Engines whose metric names the gateway knows (``None`` in a node: detect).
 ENGINES = ("vllm", "sglang", "trtllm", "tgi")
@@ -60,10 +65,12 @@ DEFAULT_LISTEN = ("127.0.0.1", 8080)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 FLEET_KEYS = ("listen", "nodes", "pools", "admin", "api_keys", "api_keys_env", "max_body_bytes",
-              "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog")
+              "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog",
+              "outliers", "remediation")
 NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
              "api_key_env", "faults", "emulator")
-POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries")
+POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries", "limits",
+             "admission")
 
 
 # -- the dataclasses ---------------------------------------------------------------
@@ -111,11 +118,13 @@ class PoolSettings:
     catalog_model: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     retries: RetrySettings = field(default_factory=RetrySettings)
+    limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
+    admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
 
     def pool_config(self) -> PoolConfig:
         """The decision core's view of this pool."""
         return PoolConfig(self.name, self.policy, self.policy_options, self.slo,
-                          self.catalog_model)
+                          self.catalog_model, limits=self.limits, admission=self.admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +244,8 @@ class FleetConfig:
     catalog: Catalog = DEFAULT_CATALOG
     path: Path | None = None  # the file it came from, for reloads
     warnings: tuple[str, ...] = ()
+    outliers: OutlierConfig = field(default_factory=OutlierConfig)  # straggler detection
+    remediation: RemediationConfig = field(default_factory=RemediationConfig)
 
     def pool(self, model: str) -> PoolSettings:
         """The settings of ``model``'s pool (defaults when the file has none)."""
@@ -403,7 +414,9 @@ def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATAL
                               [x.name for x in catalog.models])
     return PoolSettings(name, policy, options, slo, catalog_model,
                         parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
-                        parse_retries(m.get("retries"), f"{where}.retries"))
+                        parse_retries(m.get("retries"), f"{where}.retries"),
+                        parse_limits(m.get("limits"), f"{where}.limits"),
+                        parse_admission(m.get("admission"), f"{where}.admission"))
 
 
 def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
@@ -569,6 +582,8 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
         catalog=catalog,
         path=path,
         warnings=tuple(warnings),
+        outliers=parse_outliers(m.get("outliers")),
+        remediation=parse_remediation(m.get("remediation")),
     )
 
 

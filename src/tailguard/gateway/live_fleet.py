@@ -37,6 +37,7 @@ from tailguard.core.balancer import Balancer, Event
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
 from tailguard.gateway.engine_metrics import EngineSample
+from tailguard.gateway.event_log import EventLog
 from tailguard.gateway.monitor import NodeMonitor
 from tailguard.gateway.retry_budget import RetryBudget
 
@@ -68,11 +69,14 @@ class LiveFleet:
         self.config = config
         self.balancer = Balancer([n.spec() for n in config.nodes],
                                  [p.pool_config() for p in config.pools.values()],
-                                 rng or Random(), catalog=config.catalog, recorder=recorder)
+                                 rng or Random(), catalog=config.catalog, recorder=recorder,
+                                 outliers=config.outliers)
         self.nodes: dict[str, NodeConfig] = {n.id: n for n in config.nodes}
         self.dynamic: set[str] = set()  # registered through the admin API
         self.monitors: dict[str, NodeMonitor] = {}
         self.event_listeners: list[Callable[[Event], None]] = []
+        self.event_log = EventLog()  # GET /admin/events: core events and remediation results
+        self.event_listeners.append(self.event_log.on_core_event)
         self._budgets: dict[str, RetryBudget] = {}
         self._retiring: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -219,6 +223,8 @@ class LiveFleet:
                 self._budgets.pop(name, None)
                 summary.pools.append(name)
         self.config = new
+        if self.balancer.outliers is not None:  # thresholds apply from the next tick
+            self.balancer.outliers.config = new.outliers
         file_ids = {n.id for n in old.nodes} - self.dynamic
         for node in new.nodes:
             self._cancel_retire(node.id)

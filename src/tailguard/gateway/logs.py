@@ -33,14 +33,13 @@ import logging
 import re
 import time
 import uuid
+from contextvars import ContextVar
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID = "tailguard.request_id"  # key in the aiohttp request's mapping
-NOTES = "tailguard.log_notes"
 CLIENT_CLOSED = 499
 
 log = logging.getLogger("tailguard.request")
@@ -48,28 +47,44 @@ log = logging.getLogger("tailguard.request")
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
-def request_id(request: web.Request) -> str:
-    """The request's id (set by :func:`request_log`; a fresh one for requests it did not see)."""
-    rid = request.get(REQUEST_ID)
-    if not isinstance(rid, str):
-        rid = request[REQUEST_ID] = uuid.uuid4().hex
-    return rid
+class RequestLog:
+    """The current request's id and the fields of its log line."""
+
+    __slots__ = ("fields", "id")
+
+    def __init__(self, rid: str) -> None:
+        self.id = rid
+        self.fields: dict[str, Any] = {}
 
 
-def note(request: web.Request, **fields: Any) -> None:
-    """Add fields to the request's log line (node, pool, ttft_s, tokens, origin...)."""
-    notes = request.get(NOTES)
-    if notes is None:
-        request[NOTES] = fields
-    else:
-        notes.update(fields)
+# A context variable, not the request's mapping: the middleware, the proxy and
+# the response-prepare signal all run in the request's task, and aiohttp's
+# typed request keys only exist in its newest releases.
+_CURRENT: ContextVar[RequestLog | None] = ContextVar("tailguard_request_log", default=None)
+
+
+def request_id() -> str:
+    """The current request's id (a fresh one outside :func:`request_log`)."""
+    cur = _CURRENT.get()
+    if cur is None:
+        cur = RequestLog(uuid.uuid4().hex)
+        _CURRENT.set(cur)
+    return cur.id
+
+
+def note(**fields: Any) -> None:
+    """Add fields to the current request's log line (pool, ttft_s, tokens, origin...)."""
+    cur = _CURRENT.get()
+    if cur is not None:
+        cur.fields.update(fields)
 
 
 @web.middleware
 async def request_log(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Give the request its id and log one line when it ends."""
     given = request.headers.get(REQUEST_ID_HEADER)
-    request[REQUEST_ID] = given if given and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+    cur = RequestLog(given if given and _SANE_ID.fullmatch(given) else uuid.uuid4().hex)
+    _CURRENT.set(cur)
     t0 = time.monotonic()
     status = 500
     node: str | None = None
@@ -77,37 +92,39 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
         resp = await handler(request)
         status = resp.status
         node = resp.headers.get("x-tailguard-node")
+        if not resp.prepared:
+            resp.headers[REQUEST_ID_HEADER] = cur.id
         return resp
     except web.HTTPException as exc:
         status = exc.status
+        exc.headers[REQUEST_ID_HEADER] = cur.id
         raise
     except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
     finally:
-        _emit(request, status, node, time.monotonic() - t0)
+        _emit(request, cur, status, node, time.monotonic() - t0)
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: every response carries the request's id."""
-    rid = request.get(REQUEST_ID)
-    if isinstance(rid, str):
-        response.headers[REQUEST_ID_HEADER] = rid
+    """``on_response_prepare``: streams prepared inside the handler carry the id too."""
+    cur = _CURRENT.get()
+    if cur is not None and REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = cur.id
 
 
-def _emit(request: web.Request, status: int, node: str | None, e2e: float) -> None:
+def _emit(request: web.Request, cur: RequestLog, status: int, node: str | None,
+          e2e: float) -> None:
     proxied = request.path.startswith("/v1/")
     level = logging.INFO if proxied else logging.DEBUG
     if proxied and (status >= 500 or status == CLIENT_CLOSED):
         level = logging.WARNING
     if not log.isEnabledFor(level):
         return
-    fields: dict[str, Any] = {"id": request[REQUEST_ID]}
+    fields: dict[str, Any] = {"id": cur.id}
     if node and node != "-":
         fields["node"] = node
-    notes = request.get(NOTES)
-    if notes:
-        fields.update(notes)
+    fields.update(cur.fields)
     fields["e2e_s"] = round(e2e, 4)
     log.log(level, "%s %s %d", request.method, request.path, status,
             extra={"fields": fields})
@@ -167,5 +184,5 @@ def _text_value(v: Any) -> str:
     return json.dumps(s) if (" " in s or '"' in s or not s) else s
 
 
-__all__ = ["REQUEST_ID_HEADER", "JsonFormatter", "TextFormatter", "add_request_id_header",
+__all__ = ["REQUEST_ID_HEADER", "JsonFormatter", "RequestLog", "TextFormatter", "add_request_id_header",
            "configure_logging", "note", "request_id", "request_log"]

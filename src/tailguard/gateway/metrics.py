@@ -41,7 +41,22 @@ tailguard_node_engine_waiting_requests             gauge      node, gpu (fresh d
 tailguard_node_engine_kv_cache_usage_ratio         gauge      node, gpu (fresh data only)
 tailguard_node_engine_metrics_age_seconds          gauge      node, gpu
 tailguard_node_engine_metrics_stale                gauge      node, gpu
+tailguard_node_limit_requests                      gauge      node, gpu
+tailguard_node_slowness_ratio                      gauge      node, gpu
+tailguard_slo_requests_total                       counter    pool, gpu, result (met/missed)
+tailguard_hedges_total                             counter    pool, result (hook)
+tailguard_shed_requests_total                      counter    pool, reason (hook)
+tailguard_remediations_total                       counter    action, result (hook)
+tailguard_class_{decode,prefill}_slowdown_ratio    gauge      gpu
+tailguard_pool_nodes                               gauge      pool, state
+tailguard_pool_queue_depth                         gauge      pool
+tailguard_pool_capacity_tokens_per_second          gauge      pool
+tailguard_pool_slo_{ttft,tpot}_seconds             gauge      pool
+tailguard_pool_slo_attainment_target               gauge      pool
 =================================================  =========  ============================
+
+What each means, with queries and alert rules: ``docs/metrics.md`` (a test
+checks that every metric exposed is documented there, and the reverse).
 """
 
 from __future__ import annotations
@@ -320,7 +335,7 @@ def node_limit(node: Any) -> int:
     per-node limiters (issue 4) land: ``node.limit`` may be a number or an
     object with a ``limit`` attribute.
     """
-    lim = getattr(node, "limit", None)
+    lim = getattr(node, "limiter", None) or getattr(node, "limit", None)
     if lim is not None and not isinstance(lim, (int, float)):
         lim = getattr(lim, "limit", None)
     if isinstance(lim, (int, float)):

@@ -48,8 +48,10 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from tailguard.core.admission import Shed
 from tailguard.core.balancer import Ticket
 from tailguard.core.fleet import Outcome
+from tailguard.gateway.admission_gate import AdmissionGate, shed_response
 from tailguard.gateway.api_errors import NODE_HEADER, error_response, sse_error_event
 from tailguard.gateway.config import NodeConfig, PoolSettings, Timeouts
 from tailguard.gateway.live_fleet import LiveFleet
@@ -105,6 +107,7 @@ class Proxy:
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
         self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
+        self.gate = AdmissionGate(fleet, metrics)  # limits and the queue (issue 4)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, CHAT)
@@ -146,7 +149,7 @@ class Proxy:
             served = ", ".join(self.fleet.served_models()[:20])
             return error_response(404, f"the model {req.model!r} does not exist "
                                        f"(served: {served})", "model_not_found")
-        note(request, pool=req.model)
+        note(pool=req.model)
         try:
             return await self._forward(request, endpoint, body, req, t0)
         except asyncio.CancelledError:
@@ -174,8 +177,17 @@ class Proxy:
             now = time.monotonic()
             if attempt and not budget.try_spend(now):
                 break
-            ticket = balancer.pick(model, req.prompt_tokens, now, req.max_tokens, priority,
-                                   tried)
+            if attempt == 0:  # may wait in the pool's queue; retries never do
+                got = await self.gate.admit(request, model, req.prompt_tokens, req.max_tokens,
+                                            priority, len(body))
+                if isinstance(got, Shed):
+                    note(origin=f"shed_{got.reason}")
+                    self.metrics.request_done(model, 429)
+                    return shed_response(got, model)
+                ticket = got
+            else:
+                ticket = balancer.pick(model, req.prompt_tokens, now, req.max_tokens, priority,
+                                       tried)
             if ticket is None:
                 break
             node = fleet.nodes.get(ticket.node_id)
@@ -189,16 +201,16 @@ class Proxy:
                                          settings, deadline, t0)
             if not isinstance(result, Failure):
                 if attempt:
-                    note(request, attempts=attempt + 1)
+                    note(attempts=attempt + 1)
                 return result
             failure = result
             self.metrics.upstream_error(node.id, failure.origin.value)
         if failure is None:
-            note(request, origin="no_capacity")
+            note(origin="no_capacity")
             self.metrics.request_done(model, 503)
             return error_response(503, f"no node can take a request for {model!r} now",
                                   "no_capacity", headers={"Retry-After": RETRY_AFTER_S})
-        note(request, origin=failure.origin.value, attempts=len(tried))
+        note(origin=failure.origin.value, attempts=len(tried))
         self.metrics.request_done(model, failure.status)
         extra = {"Retry-After": failure.retry_after} if failure.retry_after else None
         return error_response(failure.status, failure.message, failure.code, tried[-1], extra)
@@ -212,7 +224,7 @@ class Proxy:
                 continue
             out.add(k, v)
         out["Accept-Encoding"] = "identity"
-        out[REQUEST_ID_HEADER] = request_id(request)  # the engine's logs can be joined on it
+        out[REQUEST_ID_HEADER] = request_id()  # the engine's logs can be joined on it
         return out
 
     def _client_timeout(self, t: Timeouts) -> aiohttp.ClientTimeout:
@@ -287,7 +299,7 @@ class Proxy:
                     outcome = Outcome.OK
                     tokens = usage_completion_tokens(payload) or 0
                     self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens)
-                    note(request, tokens=tokens)
+                    note(tokens=tokens)
                 balancer.on_finish(ticket, now, outcome, tokens)
                 self.metrics.request_done(req.model, status)
                 return web.Response(status=status, body=payload,
@@ -366,7 +378,7 @@ class Proxy:
         now = time.monotonic()
         if error is not None:
             origin, status, message, code = error
-            note(request, origin=origin.value, tokens=tokens)
+            note(origin=origin.value, tokens=tokens)
             balancer.on_finish(ticket, now, origin, tokens)
             self.metrics.upstream_error(node.id, origin.value)
             self.metrics.request_done(req.model, status)
@@ -378,7 +390,7 @@ class Proxy:
         tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
         self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens,
                               ttft=t_first - t0, tpot=tpot, max_gap=max_gap)
-        note(request, ttft_s=round(t_first - t0, 4), tokens=tokens)
+        note(ttft_s=round(t_first - t0, 4), tokens=tokens)
         self.metrics.request_done(req.model, resp.status)
         with contextlib.suppress(ConnectionError):
             await out.write_eof()

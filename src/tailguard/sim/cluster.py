@@ -22,9 +22,13 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from tailguard.core.admission import AdmissionConfig, Shed
 from tailguard.core.balancer import Balancer, Event, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.limits import LimitConfig
+from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
 from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine
 from tailguard.sim.scenario import Fault, NodePlan
@@ -33,7 +37,7 @@ from tailguard.sim.scenario import Fault, NodePlan
 _ARRIVE, _SUBMIT, _ENGINE, _FIRST, _FINISH, _FAIL, _FAULT, _TICK = range(8)
 
 # Request status codes in the result arrays.
-OK, FAILED_STATUS, UNFINISHED = 0, 1, 2
+OK, FAILED_STATUS, UNFINISHED, SHED = 0, 1, 2, 3
 
 MAX_ATTEMPTS = 2  # the first try and one retry on another node
 
@@ -53,8 +57,14 @@ class RunRecord:
     status: list[int]
     node_ids: list[str]
     events: list[Event] = field(default_factory=list)
+    outliers: dict[str, Any] = field(default_factory=dict)  # detector counts and state times
     retries: int = 0
     end_time: float = 0.0
+    # With limits/admission: seconds each request waited in the gateway queue,
+    # its priority (0 high, 1 normal, 2 low) and each node's final limit.
+    queue_s: list[float] = field(default_factory=list)
+    priority: list[int] = field(default_factory=list)
+    limits: dict[str, int] = field(default_factory=dict)
 
 
 class _NodeSim:
@@ -98,13 +108,20 @@ def run_cluster(
     tick_s: float = 1.0,
     step_by_step: bool = False,
     progress: Callable[[float], None] | None = None,
+    outliers: OutlierConfig | None = None,
+    limits: LimitConfig | None = None,
+    admission: AdmissionConfig | None = None,
+    priorities: Sequence[int] | None = None,
 ) -> RunRecord:
     """Simulate one policy on one fleet for one request list; return per-request outcomes."""
     n_req = len(arrivals)
     rng = random.Random(f"{seed}:{policy}:route")
     fault_rng = random.Random(f"{seed}:faults")
     balancer = Balancer(node_specs(plans, model),
-                        [PoolConfig(model, policy, dict(policy_options or {}), slo)], rng)
+                        [PoolConfig(model, policy, dict(policy_options or {}), slo,
+                                    limits=limits, admission=admission)], rng,
+                        # None (capacity probes, unit runs): no detection.
+                        outliers=outliers or OutlierConfig(enabled=False))
     nodes = [_NodeSim(i, p, step_by_step) for i, p in enumerate(plans)]
     by_id = {p.id: i for i, p in enumerate(plans)}
     rec = RunRecord(
@@ -114,6 +131,11 @@ def run_cluster(
     )
     tickets: list[Ticket | None] = [None] * n_req
     attempts = [0] * n_req
+    limited = limits is not None or admission is not None
+    prio = list(priorities) if priorities is not None else [1] * n_req
+    if limited:
+        rec.queue_s = [0.0] * n_req
+        rec.priority = prio
     half_rtt = network_rtt_s / 2.0
 
     heap: list[tuple[float, int, int, int, int]] = []
@@ -168,13 +190,32 @@ def run_cluster(
         old = tickets[rid]
         if old is not None:
             exclude = (old.node.id,)
-        ticket = balancer.pick(model_name, rec.prompt[rid], t, exclude=exclude)
         attempts[rid] += 1
+        if limited:
+            got = balancer.admit(model_name, rec.prompt[rid], t, priority=prio[rid],
+                                 exclude=exclude, payload=rid)
+            if not isinstance(got, Ticket):
+                if got is None:
+                    status[rid] = FAILED_STATUS
+                elif isinstance(got, Shed):
+                    status[rid] = SHED
+                else:
+                    return  # queued: poll_queue places it when a permit frees
+                end_t[rid] = t
+                outstanding -= 1
+                return
+            send(rid, got, t)
+            return
+        ticket = balancer.pick(model_name, rec.prompt[rid], t, exclude=exclude)
         if ticket is None:
             status[rid] = FAILED_STATUS
             end_t[rid] = t
             outstanding -= 1
             return
+        send(rid, ticket, t)
+
+    def send(rid: int, ticket: Ticket, t: float) -> None:
+        nonlocal seq
         tickets[rid] = ticket
         ni = by_id[ticket.node.id]
         rec.node[rid] = ni
@@ -189,6 +230,20 @@ def run_cluster(
             return
         push(heap, (t + half_rtt + ns.delay, seq, _SUBMIT, rid, ni))
         seq += 1
+
+    def place_queued(t: float) -> None:
+        """Late binding: the queue's decisions since the last call."""
+        nonlocal outstanding
+        for waiter, decision in balancer.poll_queue(t):
+            rid = waiter.payload
+            if isinstance(decision, Shed):
+                status[rid] = SHED
+                end_t[rid] = t
+                outstanding -= 1
+            else:
+                if attempts[rid] == 1:
+                    rec.queue_s[rid] = t - arrival_times[rid]
+                send(rid, decision, t)
 
     def deliver(t_ev: float, ev_kind: int, rid: int) -> None:
         """Queue an engine event for the gateway, after the network delay back."""
@@ -210,6 +265,12 @@ def run_cluster(
         status[rid] = FAILED_STATUS
         end_t[rid] = t
         outstanding -= 1
+
+    def fail_and_place(rid: int, t: float, outcome: Outcome) -> None:
+        fail(rid, t, outcome)
+        place_queued(t)
+
+    on_fail = fail_and_place if limited else fail
 
     while heap:
         now, _, kind, a, b = pop(heap)
@@ -255,17 +316,26 @@ def run_cluster(
                 status[a] = OK
                 end_t[a] = now
                 outstanding -= 1
+                if limited:
+                    place_queued(now)
         elif kind == _FAIL:
-            fail(a, now, Outcome.CONNECT_FAILURE if b == 0 else Outcome.UPSTREAM_5XX)
+            on_fail(a, now, Outcome.CONNECT_FAILURE if b == 0 else Outcome.UPSTREAM_5XX)
         elif kind == _FAULT:
-            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, fail, deliver)
+            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, on_fail, deliver)
             reschedule(nodes[by_id[faults[a].node]])
         else:  # _TICK
             rec.events.extend(balancer.tick(now))
+            if limited:
+                place_queued(now)
             if outstanding > 0:
                 push(heap, (now + tick_s, seq, _TICK, 0, 0))
                 seq += 1
     rec.end_time = now
+    rec.limits = {n.id: n.limiter.limit for n in balancer.nodes.values() if n.limiter is not None}
+    det = balancer.outliers
+    if det is not None:
+        rec.outliers = {"detected": det.detected_ejections, "enforced": det.enforced_ejections,
+                        "time_in_states": det.time_in_states(now)}
     return rec
 
 

@@ -11,11 +11,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tailguard.core.limits import LimitConfig
 from tailguard.errors import ConfigError
+from tailguard.sim.admission_report import admission_report, draw_priorities
 from tailguard.sim.capacity import fleet_capacity
-from tailguard.sim.cluster import run_cluster
+from tailguard.sim.cluster import RunRecord, run_cluster
 from tailguard.sim.results import compute_result
 from tailguard.sim.scenario import PolicyChoice, Scenario
+from tailguard.sim.stragglers import outlier_report
 from tailguard.sim.workload import Requests, generate
 
 Progress = Callable[[str, float, float], None]  # (label, sim time, horizon)
@@ -71,6 +74,7 @@ def run_policy(
     offered: float,
     drain_s: float | None = None,
     progress: Progress | None = None,
+    records: dict[str, RunRecord] | None = None,
 ) -> dict[str, Any]:
     plans = scn.nodes()
     wl = scn.workload
@@ -85,13 +89,38 @@ def run_policy(
         plans, scn.model, reqs.arrival_s, reqs.input_tokens, reqs.output_tokens,
         policy=choice.name, policy_options=dict(choice.options), slo=scn.slo, seed=scn.seed,
         network_rtt_s=scn.network_rtt_s, faults=scn.faults, horizon_s=horizon, progress=cb,
+        outliers=scn.outliers, limits=planned_limits(scn, reqs), admission=scn.admission,
+        priorities=draw_priorities(wl.priorities, len(reqs), scn.seed),
     )
+    if records is not None:  # the per-request arrays, for reports (sim/report.py)
+        records[choice.label] = rec
     gpu_of = {p.id: p.perf.gpu.name for p in plans}
     by_gpu: dict[str, float] = {}
     for p in plans:
         by_gpu.setdefault(p.perf.gpu.name, capacity[p.id])
-    return compute_result(rec, slo=scn.slo, warmup_s=wl.warmup_s, duration_s=wl.duration_s,
-                          offered_rps=offered, gpu_of=gpu_of, capacity_by_gpu=by_gpu)
+    res = compute_result(rec, slo=scn.slo, warmup_s=wl.warmup_s, duration_s=wl.duration_s,
+                         offered_rps=offered, gpu_of=gpu_of, capacity_by_gpu=by_gpu)
+    res.update(admission_report(rec, slo=scn.slo, warmup_s=wl.warmup_s,
+                                duration_s=wl.duration_s, gpu_of=gpu_of))
+    if rec.outliers:
+        res["outliers"] = outlier_report(rec.events, scn.faults, rec.end_time,
+                                         rec.outliers["time_in_states"],
+                                         rec.outliers["detected"], rec.outliers["enforced"])
+    return res
+
+
+def planned_limits(scn: Scenario, reqs: Requests) -> LimitConfig | None:
+    """The scenario's limits, planned at the workload's mean lengths unless it names them."""
+    cfg = scn.limits
+    if cfg is None and scn.admission is not None:
+        cfg = LimitConfig(kind="fixed")
+    if cfg is None or not len(reqs):
+        return cfg
+    if cfg.input_tokens is None:
+        cfg = replace(cfg, input_tokens=sum(reqs.input_tokens) / len(reqs))
+    if cfg.output_tokens is None:
+        cfg = replace(cfg, output_tokens=sum(reqs.output_tokens) / len(reqs))
+    return cfg
 
 
 def find_goodput(
@@ -127,8 +156,12 @@ def simulate(
     policies: Sequence[PolicyChoice] | None = None,
     opts: RunOptions = RunOptions(),
     progress: Progress | None = None,
+    records: dict[str, RunRecord] | None = None,
 ) -> dict[str, Any]:
-    """Run every policy on the scenario; return the ``--json`` document."""
+    """Run every policy on the scenario; return the ``--json`` document.
+
+    ``records``, when given, receives each policy's :class:`RunRecord` by label.
+    """
     scn = with_options(scn, opts)
     capacity = fleet_capacity(scn)
     bound = sum(capacity.values())
@@ -139,7 +172,7 @@ def simulate(
     offered = rate if rate is not None else len(reqs) / max(scn.workload.duration_s, 1e-9)
     results: dict[str, Any] = {}
     for choice in policies or scn.policies:
-        res = run_policy(scn, choice, reqs, capacity, offered, opts.drain_s, progress)
+        res = run_policy(scn, choice, reqs, capacity, offered, opts.drain_s, progress, records)
         if opts.find_goodput:
             target = opts.attainment if opts.attainment is not None else scn.slo.attainment
             res["max_goodput_rps"] = round(

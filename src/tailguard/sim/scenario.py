@@ -28,8 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.config_file import check_keys, read_yaml, require_mapping
+from tailguard.core.admission import AdmissionConfig, parse_admission
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfModel
+from tailguard.core.limits import LimitConfig, parse_limits
+from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo, policy_names
+from tailguard.core_options import parse_outliers
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
@@ -95,6 +99,9 @@ class Scenario:
     faults: tuple[Fault, ...]
     policies: tuple[PolicyChoice, ...]
     catalog: Catalog = DEFAULT_CATALOG
+    outliers: OutlierConfig = field(default_factory=OutlierConfig)  # straggler detection
+    limits: LimitConfig | None = None  # per-node concurrency limits (None: none)
+    admission: AdmissionConfig | None = None  # the gateway queue (None: none)
 
     def nodes(self) -> list[NodePlan]:
         """The fleet expanded to nodes with ids ``GPU#i``; speeds drawn from the seed."""
@@ -239,7 +246,7 @@ def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tu
     return tuple(out)
 
 
-SCENARIO_KEYS = ("name", "seed", "model", "slo", "network_rtt_s", "fleet", "workload", "faults",
+SCENARIO_KEYS = ("limits", "admission", "outliers", "name", "seed", "model", "slo", "network_rtt_s", "fleet", "workload", "faults",
                  "policies", "catalog", "prices")
 
 
@@ -293,7 +300,9 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     ids = [n.id for n in scenario.nodes()]
     faults = parse_faults(m.get("faults"), ids)
     return Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, faults,
-                    scenario.policies, catalog)
+                    scenario.policies, catalog, parse_outliers(m.get("outliers")),
+                    limits=parse_limits(m.get("limits")),
+                    admission=parse_admission(m.get("admission")))
 
 
 def load_scenario(path: str | Path) -> Scenario:

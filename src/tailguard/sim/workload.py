@@ -451,6 +451,9 @@ class WorkloadSpec:
     arrival: ArrivalSpec
     input_tokens: LengthDist | None
     output_tokens: LengthDist | None
+    # Shares of request priorities, e.g. {"high": 0.2, "normal": 0.6, "low": 0.2}
+    # (None: all normal); used by the admission queue.
+    priorities: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,7 +624,8 @@ def parse_workload(
     naming the dotted field. Relative trace paths resolve against ``base_dir``
     (the scenario file's folder), else the working directory."""
     spec = require_mapping(raw, where)
-    check_keys(spec, ("duration_s", "warmup_s", "arrival", "input_tokens", "output_tokens"), where)
+    check_keys(spec, ("duration_s", "warmup_s", "arrival", "input_tokens", "output_tokens",
+                      "priorities"), where)
     duration = _required_number(spec, "duration_s", where, positive=True)
     warmup = _number(spec, "warmup_s", where, positive=False, default=0.0) or 0.0
     if warmup >= duration:
@@ -645,7 +649,23 @@ def parse_workload(
         arrival=arrival,
         input_tokens=lengths["input_tokens"],
         output_tokens=lengths["output_tokens"],
+        priorities=_parse_priorities(spec.get("priorities"), f"{where}.priorities"),
     )
+
+
+def _parse_priorities(raw: Any, where: str) -> Mapping[str, float] | None:
+    if raw is None:
+        return None
+    m = require_mapping(raw, where)
+    check_keys(m, ("high", "normal", "low"), where)
+    out: dict[str, float] = {}
+    for name, share in m.items():
+        if isinstance(share, bool) or not isinstance(share, int | float) or share < 0:
+            raise ConfigError(f"{where}.{name}", f"must be a share >= 0, got {share!r}")
+        out[str(name)] = float(share)
+    if not sum(out.values()) > 0:
+        raise ConfigError(where, "the shares must add up to more than 0")
+    return out
 
 
 # --------------------------------------------------------------------------- traces

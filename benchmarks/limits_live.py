@@ -1,0 +1,159 @@
+"""Limits and the admission queue in the live gateway, on emulated engines.
+
+Emulated engines (the engine model in real time) for a small mixed fleet, the
+gateway in front of them, and three open-loop load generators (priorities
+high/normal/low at 20/60/20% of the rate) offering ``--load`` x the fleet's
+SLO capacity bound. Runs twice on fresh engines: the ``tailguard`` policy
+without limits, then with ``limits: {kind: gradient}`` + ``admission``.
+Every engine gets the plan's chunked-prefill budget in both runs. While the
+limited run is overloaded it also times 429s (low-priority probes). Prints
+goodput, per-GPU-class P99 TPOT of admitted requests, per-priority
+attainment and the 429 latency. Asserts nothing.
+
+    python benchmarks/limits_live.py [--load 1.3] [--duration 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from tailguard.bench import BenchConfig, run_bench
+from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.core.policies import Slo
+from tailguard.emulator import EmulatedNode, run_emulator
+from tailguard.engine import EngineConfig
+from tailguard.gateway.app import run_gateway
+from tailguard.gateway.config import parse_fleet
+from tailguard.planner.plan import plan_groups
+from tailguard.sim.capacity import fleet_capacity
+from tailguard.sim.scenario import parse_scenario
+from tailguard.sim.workload import parse_length_dist
+
+MODEL = "llama-3.1-8b"
+FLEET = (("A100-80GB", 1), ("L4", 3))
+INPUT = {"dist": "lognormal", "mu": 6.5, "sigma": 0.6, "max": 4096}
+OUTPUT = {"dist": "uniform", "min": 16, "max": 96}
+SLO = Slo(ttft_s=1.0, tpot_s=0.10)
+SHARES = {"high": 0.2, "normal": 0.6, "low": 0.2}
+
+
+def capacity_bound() -> float:
+    scn = parse_scenario({
+        "name": "live", "seed": 1, "model": MODEL,
+        "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s},
+        "fleet": [{"gpu": g, "count": c} for g, c in FLEET],
+        "workload": {"duration_s": 60, "warmup_s": 0, "arrival": {"process": "poisson", "rate": 1},
+                     "input_tokens": INPUT, "output_tokens": OUTPUT},
+    })
+    return sum(fleet_capacity(scn).values())
+
+
+def nodes() -> list[EmulatedNode]:
+    model = DEFAULT_CATALOG.model(MODEL)
+    plans = plan_groups([(DEFAULT_CATALOG.gpu(g), 1, c) for g, c in FLEET], model, SLO.tpot_s,
+                        700.0, 56.0)
+    out = []
+    for (gpu, count), plan in zip(FLEET, plans, strict=True):
+        engine = EngineConfig(max_num_batched_tokens=plan.max_num_batched_tokens)
+        out += [EmulatedNode(f"{gpu.split('-')[0].lower()}-{i}", gpu, models=(MODEL,),
+                             engine=engine) for i in range(count)]
+    return out
+
+
+async def probe_429(url: str, n: int) -> list[float]:
+    """Latency of low-priority requests answered 429 (seconds)."""
+    out: list[float] = []
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 500}],
+            "max_tokens": 32}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(n):
+            t0 = time.monotonic()
+            async with s.post(url + "/v1/chat/completions", json=body,
+                              headers={"x-tailguard-priority": "low"}) as r:
+                await r.read()
+                if r.status == 429:
+                    out.append(time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+    return out
+
+
+async def one_run(limited: bool, rate: float, duration: float) -> dict[str, Any]:
+    emulated = nodes()
+    async with run_emulator(emulated, host="127.0.0.1") as emu:
+        pool: dict[str, Any] = {"policy": "tailguard",
+                                "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}}
+        if limited:
+            pool["limits"] = {"kind": "gradient", "input_tokens": 700, "output_tokens": 56}
+            pool["admission"] = {"queue_max": 256}
+        fleet = parse_fleet({
+            "listen": "127.0.0.1:0",
+            "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": n.gpu, "models": [MODEL]}
+                      for n in emulated],
+            "pools": {MODEL: pool},
+        }, None)
+        async with run_gateway(fleet, host="127.0.0.1", port=0) as gw:
+            benches = [run_bench(BenchConfig(
+                gw.url, model=MODEL, rate=rate * share, duration_s=duration,
+                input_tokens=parse_length_dist(INPUT, "input_tokens", "input_tokens"),
+                output_tokens=parse_length_dist(OUTPUT, "output_tokens", "output_tokens"),
+                slo=SLO, ignore_eos=True, drain_s=20.0, seed=i, label=name,
+                headers={"x-tailguard-priority": name}))
+                for i, (name, share) in enumerate(SHARES.items())]
+
+            async def late_probe() -> list[float]:
+                await asyncio.sleep(duration / 2)
+                return await probe_429(gw.url, 20) if limited else []
+
+            *docs, lat = await asyncio.gather(*benches, late_probe())
+            limits = {n.id: n.limiter.limit for n in gw.fleet.balancer.nodes.values()
+                      if n.limiter is not None}
+    gpu_of = {n.id: n.gpu for n in emulated}
+    res: dict[str, Any] = {"goodput_rps": 0.0, "rejected": 0, "per_priority": {},
+                           "tpot_p99_by_class": {}, "limits": limits, "probe_429_s": lat}
+    for doc in docs:
+        for label, r in doc["results"].items():
+            res["goodput_rps"] += r["goodput_rps"]
+            res["rejected"] += r["rejected"]
+            res["per_priority"][label] = {"requests": r["requests"], "rejected": r["rejected"],
+                                          "slo_attainment": r["slo_attainment"]}
+            for node, info in r["per_node"].items():
+                g = gpu_of.get(node)
+                if g is not None and info["completed"]:
+                    cur = res["tpot_p99_by_class"].get(g, 0.0)
+                    res["tpot_p99_by_class"][g] = max(cur, info["tpot_p99_s"])
+    return res
+
+
+async def main_async(load: float, duration: float) -> None:
+    bound = capacity_bound()
+    rate = load * bound
+    print(f"fleet {FLEET}, capacity bound {bound:.1f} req/s, offering {rate:.1f} req/s "
+          f"({load:.2f}) for {duration:.0f} s", flush=True)
+    for limited in (False, True):
+        r = await one_run(limited, rate, duration)
+        lat = sorted(r["probe_429_s"])
+        lat_s = (f"; 429 latency max {lat[-1] * 1000:.1f} ms over {len(lat)} probes"
+                 if lat else "")
+        tpot = {g: round(v / SLO.tpot_s, 3) for g, v in r["tpot_p99_by_class"].items()}
+        print(f"limits={'gradient' if limited else 'none':8s} goodput {r['goodput_rps']:.2f} "
+              f"req/s, 429s {r['rejected']}, P99 TPOT/SLO by class {tpot}{lat_s}")
+        print(f"    per priority {r['per_priority']}")
+        if r["limits"]:
+            print(f"    final limits {r['limits']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--load", type=float, default=1.3)
+    ap.add_argument("--duration", type=float, default=40.0)
+    args = ap.parse_args()
+    asyncio.run(main_async(args.load, args.duration))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Straggler detection and quarantine (issue 5), measured on generated fleets.
+
+Named runs (each prints one line per case and a verdict against the issue's
+target; nothing here is tuned to the shipped scenarios: fleets, seeds and the
+faulted node are generated from ``--seed``):
+
+* ``throttle-detect``: one random node of a random mixed fleet throttled to
+  40% at t=120 s; time until it is degraded or quarantined (target <= 15 s).
+* ``healthy-hour``: one simulated hour at load 0.8 on a healthy H100/A100/L4/T4
+  fleet with +-10% card-to-card spread; quarantines and degradations
+  (target: zero).
+* ``incident``: the throttle incident's P99 TTFT against the same run without
+  the fault, with detection on and off (target: on <= 1.25 x no-fault; off
+  measurably worse).
+
+    python benchmarks/stragglers.py [--runs throttle-detect,healthy-hour,incident]
+                                    [--seed 1] [--cases 4] [--hour-s 3600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+from tailguard.sim.run import simulate
+from tailguard.sim.scenario import PolicyChoice, parse_scenario
+
+GPUS = ("H100-SXM", "A100-80GB", "L4", "T4")
+
+
+def fleet(rng: random.Random, spread: float = 0.1) -> list[dict[str, Any]]:
+    """A mixed fleet with every class present, 2-6 nodes each."""
+    return [{"gpu": g, "count": rng.randint(2, 6), "speed_spread": spread} for g in GPUS]
+
+
+def scenario(seed: int, groups: list[dict[str, Any]], duration: float, faults: list[Any],
+             outliers: bool = True, load: float = 0.8) -> dict[str, Any]:
+    return {
+        "name": f"gen-{seed}", "seed": seed, "model": "llama-3.2-3b",
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.1}, "network_rtt_s": 0.001, "fleet": groups,
+        "workload": {"duration_s": duration, "warmup_s": 60,
+                     "arrival": {"process": "poisson", "load": load},
+                     "input_tokens": {"dist": "azure-conv"},
+                     "output_tokens": {"dist": "azure-conv"}},
+        "faults": faults, "outliers": {"enabled": outliers},
+    }
+
+
+def node_ids(groups: list[dict[str, Any]]) -> list[str]:
+    return [f"{g['gpu']}#{i}" for g in groups for i in range(int(g["count"]))]
+
+
+def run(raw: dict[str, Any]) -> dict[str, Any]:
+    out = simulate(parse_scenario(raw), [PolicyChoice("tailguard")])
+    res: dict[str, Any] = out["results"]["tailguard"]
+    return res
+
+
+def throttle_detect(seed: int, cases: int) -> list[dict[str, Any]]:
+    rows = []
+    for c in range(cases):
+        rng = random.Random(f"{seed}:throttle:{c}")
+        groups = fleet(rng)
+        victim = rng.choice(node_ids(groups))
+        res = run(scenario(seed * 100 + c, groups, 300,
+                           [{"node": victim, "kind": "throttle", "factor": 0.4, "at_s": 120}]))
+        det = res["outliers"]["time_to_detect"][0]
+        # A class the router leaves idle (fast cards suffice) gives no samples: its
+        # throttle can be neither seen nor felt.
+        share = res["per_gpu"][victim.split("#")[0]]["share"]
+        rows.append({"case": c, "victim": victim, "detected_s": det["detected_s"],
+                     "state": det["state"], "false": res["outliers"]["false_detections"],
+                     "class_share": share})
+        ok = det["detected_s"] is not None and det["detected_s"] <= 15.0
+        verdict = "OK" if ok else ("n/a: class idle" if share < 0.01 else "MISS")
+        print(f"throttle-detect case {c}: {victim} (class share {share:.3f}) -> {det['state']} "
+              f"after {det['detected_s']} s; false detections {rows[-1]['false']}  {verdict}",
+              flush=True)
+    return rows
+
+
+def healthy_hour(seed: int, hour_s: float) -> dict[str, Any]:
+    groups = [{"gpu": g, "count": c, "speed_spread": 0.1}
+              for g, c in zip(GPUS, (2, 3, 5, 4), strict=True)]
+    t0 = time.perf_counter()
+    res = run(scenario(seed, groups, hour_s, []))
+    wall = time.perf_counter() - t0
+    ev = [e for e in res["events"] if e["state"] in ("degraded", "quarantined")]
+    print(f"healthy-hour: {hour_s:g} simulated s, {res['requests']} requests, "
+          f"{len(ev)} degradations/quarantines, TTFT p99 {res['ttft_s']['p99']:.3f} s "
+          f"({wall:.0f} s wall)  {'OK' if not ev else 'FAIL'}", flush=True)
+    return {"requests": res["requests"], "bad_events": ev, "ttft_p99_s": res["ttft_s"]["p99"],
+            "wall_s": round(wall, 1)}
+
+
+def incident(seed: int, cases: int) -> list[dict[str, Any]]:
+    rows = []
+    for c in range(cases):
+        rng = random.Random(f"{seed}:incident:{c}")
+        groups = fleet(rng)
+        # The victim is a fast card: a throttled T4 hardly matters to a fleet's tail.
+        victim = rng.choice([n for n in node_ids(groups) if not n.startswith(("L4", "T4"))])
+        fault = [{"node": victim, "kind": "throttle", "factor": 0.4, "at_s": 120,
+                  "duration_s": 240}]
+        s = seed * 100 + c
+        base = run(scenario(s, groups, 420, []))["ttft_s"]["p99"]
+        on = run(scenario(s, groups, 420, fault))["ttft_s"]["p99"]
+        off = run(scenario(s, groups, 420, fault, outliers=False))["ttft_s"]["p99"]
+        rows.append({"case": c, "victim": victim, "no_fault_p99_s": base,
+                     "detection_on_p99_s": on, "detection_off_p99_s": off})
+        print(f"incident case {c} ({victim}): TTFT p99 no fault {base:.3f} s, detection on "
+              f"{on:.3f} s ({on / base:.2f}x), off {off:.3f} s ({off / base:.2f}x)  "
+              f"{'OK' if on <= 1.25 * base else 'FAIL'}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", default="throttle-detect,healthy-hour,incident")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cases", type=int, default=4)
+    ap.add_argument("--hour-s", type=float, default=3600.0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    out: dict[str, Any] = {}
+    runs = args.runs.split(",")
+    if "throttle-detect" in runs:
+        out["throttle-detect"] = throttle_detect(args.seed, args.cases)
+    if "healthy-hour" in runs:
+        out["healthy-hour"] = healthy_hour(args.seed, args.hour_s)
+    if "incident" in runs:
+        out["incident"] = incident(args.seed, args.cases)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The ``tailguard plan`` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from dataclasses import asdict
+
+from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.errors import ConfigError
+from tailguard.planner.plan import plan_groups, sglang_flags, vllm_flags
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("plan", help="engine batch settings and gateway limits per GPU type",
+                       description="For each GPU type and TP degree of the fleet file: KV "
+                                   "capacity, the largest batch within the TPOT SLO, the "
+                                   "chunked-prefill budget, throughput at the SLO, engine "
+                                   "flags and the gateway's initial per-node limits.")
+    p.add_argument("--fleet", required=True, help="the fleet file (as for `tailguard serve`)")
+    p.add_argument("--model", required=True, help="catalog model (see `tailguard models`)")
+    p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds")
+    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds")
+    p.add_argument("--input-tokens", type=float, default=1155.0,
+                   help="typical prompt length (default: Azure conversation mean, 1155)")
+    p.add_argument("--output-tokens", type=float, default=211.0,
+                   help="typical answer length (default: Azure conversation mean, 211)")
+    p.add_argument("--format", choices=["table", "json", "vllm", "sglang"], default="table")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tailguard.gateway.config import load_fleet
+
+    for name in ("slo_tpot", "slo_ttft", "input_tokens", "output_tokens"):
+        if not getattr(args, name) > 0:
+            raise ConfigError("--" + name.replace("_", "-"), "must be > 0")
+    config = load_fleet(args.fleet)
+    model = DEFAULT_CATALOG.model(args.model, "--model")
+    counts: Counter[tuple[str, int]] = Counter()
+    gpus = {}
+    unknown = []
+    for n in config.nodes:
+        if n.gpu_spec is None:
+            unknown.append(f"{n.id} ({n.gpu})")
+            continue
+        counts[(n.gpu_spec.name, n.tp)] += 1
+        gpus[n.gpu_spec.name] = n.gpu_spec
+    groups = [(gpus[g], tp, c) for (g, tp), c in sorted(counts.items())]
+    plans = plan_groups(groups, model, args.slo_tpot, args.input_tokens, args.output_tokens)
+    if args.format == "json":
+        print(json.dumps({"model": model.name, "slo": {"ttft_s": args.slo_ttft,
+                                                       "tpot_s": args.slo_tpot},
+                          "groups": [asdict(p) for p in plans], "unknown_gpus": unknown},
+                         indent=1))
+        return 0
+    for p in plans:
+        head = f"{p.gpu} x{p.tp} ({p.nodes} node{'s' if p.nodes != 1 else ''})"
+        if not p.fits:
+            print(f"{head}: {model.name} does not fit: it needs about "
+                  f"{p.memory_needed_gb:.0f} GB per GPU; raise tp or pick a larger GPU")
+            continue
+        if args.format == "vllm":
+            print(f"{head}: vllm serve {model.name} {vllm_flags(p)}")
+        elif args.format == "sglang":
+            print(f"{head}: python -m sglang.launch_server --model-path {model.name} "
+                  f"{sglang_flags(p)}")
+        else:
+            print(f"{head}: KV {p.kv_capacity_tokens} tokens, batch at SLO {p.max_num_seqs} "
+                  f"(step {p.tpot_at_batch_s * 1000:.1f} ms), token budget "
+                  f"{p.max_num_batched_tokens}, {p.tokens_per_s:.0f} tok/s = "
+                  f"{p.requests_per_s:.2f} req/s per node, {p.share:.1%} of the fleet; "
+                  f"gateway initial limit {p.initial_limit}")
+    for u in unknown:
+        print(f"{u}: GPU not in the catalog, not planned")
+    if args.format == "table":
+        print("gateway: pools.<model>.limits: {kind: gradient}  (starts from the initial "
+              "limits above and adapts to the measured TPOT)")
+    return 0

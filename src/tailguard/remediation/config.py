@@ -1,0 +1,126 @@
+"""The fleet file's ``remediation:`` section::
+
+    remediation:
+      dry_run: false              # log and record what would run, run nothing
+      cooldown_s: 300             # per node and rule: no second action sooner
+      max_actions_per_hour: 20    # global rate limit over all nodes and rules
+      rules:
+        - on: quarantined
+          command: [/usr/local/bin/page-oncall, --severity, low]   # argv, no shell
+          timeout_s: 30
+        - on: quarantined_repeatedly          # n quarantines of one node within window_s
+          times: 3
+          window_s: 3600
+          kubernetes: {namespace: inference}  # delete the node's pod (label ``pod``)
+        - on: recovered                       # healthy again after a quarantine
+          webhook: {url: "https://hooks.example/tailguard", headers: {X-Token: abc}}
+
+A command gets ``TAILGUARD_NODE_ID``, ``TAILGUARD_NODE_URL``,
+``TAILGUARD_NODE_GPU``, ``TAILGUARD_NODE_REASON`` and ``TAILGUARD_TRIGGER`` in
+its environment; a webhook gets the same as a JSON body. Every value is
+checked when the file is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailguard.config_file import check_keys, require_mapping
+from tailguard.errors import ConfigError
+
+TRIGGERS = ("quarantined", "quarantined_repeatedly", "recovered")
+ACTIONS = ("command", "webhook", "kubernetes")
+RULE_KEYS = ("on", "times", "window_s", "timeout_s", *ACTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    on: str
+    action: str  # one of ACTIONS
+    argv: tuple[str, ...] = ()  # command
+    url: str = ""  # webhook
+    headers: Mapping[str, str] = field(default_factory=dict)  # webhook
+    namespace: str | None = None  # kubernetes: else the node's label ``namespace``, else default
+    pod_label: str = "pod"  # kubernetes: the node label that names its pod
+    timeout_s: float = 30.0
+    times: int = 3  # quarantined_repeatedly
+    window_s: float = 3600.0  # quarantined_repeatedly
+
+    @property
+    def name(self) -> str:
+        return f"{self.on}:{self.action}"
+
+
+@dataclass(frozen=True, slots=True)
+class RemediationConfig:
+    rules: tuple[Rule, ...] = ()
+    dry_run: bool = False
+    cooldown_s: float = 300.0
+    max_actions_per_hour: int = 20
+
+
+def _positive(m: Mapping[str, Any], key: str, where: str, default: float) -> float:
+    v = m.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+        raise ConfigError(f"{where}.{key}", f"must be a number > 0, got {v!r}")
+    return float(v)
+
+
+def _parse_rule(raw: Any, where: str) -> Rule:
+    m = require_mapping(raw, where)
+    check_keys(m, RULE_KEYS, where)
+    on = m.get("on")
+    if on not in TRIGGERS:
+        raise ConfigError(f"{where}.on", f"unknown trigger {on!r}", list(TRIGGERS))
+    present = [a for a in ACTIONS if a in m]
+    if len(present) != 1:
+        raise ConfigError(where, "needs exactly one action", list(ACTIONS))
+    action = present[0]
+    times = m.get("times", 3)
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+        raise ConfigError(f"{where}.times", f"must be an integer >= 1, got {times!r}")
+    common: dict[str, Any] = {"on": str(on), "action": action,
+                              "timeout_s": _positive(m, "timeout_s", where, 30.0),
+                              "times": times, "window_s": _positive(m, "window_s", where, 3600.0)}
+    body = m[action]
+    if action == "command":
+        if (not isinstance(body, list) or not body
+                or not all(isinstance(a, str) and a for a in body)):
+            raise ConfigError(f"{where}.command", "must be a non-empty list of strings (argv)")
+        return Rule(argv=tuple(body), **common)
+    b = require_mapping(body if body is not None else {}, f"{where}.{action}")
+    if action == "webhook":
+        check_keys(b, ("url", "headers"), f"{where}.webhook")
+        url = b.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.webhook.url", f"must be an http(s) URL, got {url!r}")
+        headers = require_mapping(b.get("headers") or {}, f"{where}.webhook.headers")
+        return Rule(url=url, headers={str(k): str(v) for k, v in headers.items()}, **common)
+    check_keys(b, ("namespace", "pod_label"), f"{where}.kubernetes")
+    ns = b.get("namespace")
+    return Rule(namespace=str(ns) if ns is not None else None,
+                pod_label=str(b.get("pod_label", "pod")), **common)
+
+
+def parse_remediation(raw: Any, where: str = "remediation") -> RemediationConfig:
+    if raw is None:
+        return RemediationConfig()
+    m = require_mapping(raw, where)
+    check_keys(m, ("rules", "dry_run", "cooldown_s", "max_actions_per_hour"), where)
+    rules_raw = m.get("rules") or []
+    if not isinstance(rules_raw, list):
+        raise ConfigError(f"{where}.rules", "must be a list")
+    dry = m.get("dry_run", False)
+    if not isinstance(dry, bool):
+        raise ConfigError(f"{where}.dry_run", "must be true or false")
+    cooldown = m.get("cooldown_s", 300.0)
+    if isinstance(cooldown, bool) or not isinstance(cooldown, int | float) or cooldown < 0:
+        raise ConfigError(f"{where}.cooldown_s", f"must be a number >= 0, got {cooldown!r}")
+    rate = m.get("max_actions_per_hour", 20)
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+        raise ConfigError(f"{where}.max_actions_per_hour", f"must be an integer >= 1, got {rate!r}")
+    return RemediationConfig(
+        rules=tuple(_parse_rule(r, f"{where}.rules[{i}]") for i, r in enumerate(rules_raw)),
+        dry_run=dry, cooldown_s=float(cooldown), max_actions_per_hour=rate)

@@ -1,0 +1,49 @@
+"""The report section of the straggler work (issue 5).
+
+The scenario key ``outliers:`` (on by default, parsed by
+:mod:`tailguard.core_options`) sets :class:`~tailguard.core.outliers.OutlierConfig`;
+the report section ``outliers`` says, per fault, how long detection took, how
+long each node spent in each state, and which detections hit nodes that had
+no fault (false detections)::
+
+    outliers: {enabled: true, interval_s: 5, slow_ratio: 1.5, base_ejection_s: 30}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tailguard.core.events import Event
+
+# A detection within this long after a fault ended still counts as the fault's.
+FAULT_GRACE_S = 30.0
+_BAD_STATES = ("degraded", "quarantined")
+
+
+def outlier_report(events: Sequence[Event], faults: Sequence[Any], end_s: float,
+                   time_in_states: Mapping[str, Mapping[str, float]],
+                   detected: int, enforced: int) -> dict[str, Any]:
+    """Time to detect each fault, false detections, time per state, ejection counts."""
+    bad = [e for e in events if e.kind == "state" and e.state in _BAD_STATES]
+    detect: list[dict[str, Any]] = []
+    for f in faults:
+        end = f.at_s + f.duration_s if f.duration_s is not None else end_s
+        hit = next((e for e in bad if e.node == f.node and f.at_s <= e.t <= end + FAULT_GRACE_S),
+                   None)
+        detect.append({"node": f.node, "kind": f.kind, "at_s": f.at_s,
+                       "detected_s": round(hit.t - f.at_s, 3) if hit else None,
+                       "state": hit.state if hit else None})
+    false = [e for e in bad if not any(
+        f.node == e.node and f.at_s <= e.t <= (f.at_s + f.duration_s if f.duration_s is not None
+                                               else end_s) + FAULT_GRACE_S for f in faults)]
+    unhealthy = {node: {k: round(v, 3) for k, v in sorted(st.items()) if k != "healthy"}
+                 for node, st in sorted(time_in_states.items())}
+    return {
+        "time_to_detect": detect,
+        "false_detections": len(false),
+        "false_quarantines": sum(1 for e in false if e.state == "quarantined"),
+        "detected_ejections": detected,
+        "enforced_ejections": enforced,
+        "time_in_state_s": {k: v for k, v in unhealthy.items() if v},
+    }

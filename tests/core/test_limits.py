@@ -1,0 +1,143 @@
+"""Concurrency limits on literal samples, the plan, and permits through the balancer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG, perf_model
+from tailguard.core.limits import (
+    AimdLimit,
+    FixedLimit,
+    GradientLimit,
+    LimitConfig,
+    Limiter,
+    parse_limits,
+    planned_limit,
+)
+from tailguard.core.policies import Slo
+from tailguard.errors import ConfigError
+
+MODEL = "llama-3.1-8b"
+
+
+def test_gradient_docstring_example() -> None:
+    g = GradientLimit(64, target_tpot=0.09, target_ttft=1.0, max_limit=256, window=10,
+                      update_every=10)
+    for _ in range(10):
+        g.on_sample(0.0, 0.12, 0.1, 60, False)
+    assert g.estimate == pytest.approx(60.8)
+    for _ in range(10):
+        g.on_sample(1.0, 0.05, 0.1, 40, False)
+    assert g.estimate == pytest.approx(60.8 * 0.8 + (60.8 + 60.8 ** 0.5) * 0.2)
+    assert g.limit == 62
+
+
+def test_gradient_does_not_grow_when_unused_and_respects_bounds() -> None:
+    g = GradientLimit(20, 0.09, 1.0, min_limit=4, max_limit=24, update_every=5)
+    for _ in range(50):
+        g.on_sample(0.0, 0.01, 0.01, 3, False)  # fast, but only 3 of 20 used
+    assert g.limit == 20
+    for _ in range(200):
+        g.on_sample(0.0, 0.01, 0.01, 20, False)
+    assert g.limit == 24
+    for _ in range(500):
+        g.on_sample(0.0, 1.0, 0.01, 20, False)  # 11x over target: gradient clamped at 0.5
+    assert g.limit == 4
+
+
+def test_gradient_backs_off_on_slow_ttft_and_on_drops() -> None:
+    g = GradientLimit(50, 0.09, 0.5, update_every=4)
+    for _ in range(4):
+        g.on_sample(0.0, 0.05, 1.0, 50, False)  # TPOT fine, TTFT twice its target
+    assert g.estimate == pytest.approx(50 * 0.8 + 25 * 0.2)
+    g.on_sample(0.0, 0.0, 0.0, 45, True)
+    assert g.estimate == pytest.approx(45 * 0.9)
+
+
+def test_aimd_netflix_rule() -> None:
+    a = AimdLimit(10, slow_tpot=0.1, max_limit=12)
+    a.on_sample(0.0, 0.05, 0.1, 5, False)
+    assert a.limit == 11
+    a.on_sample(0.0, 0.05, 0.1, 2, False)  # under half in use: no growth
+    assert a.limit == 11
+    a.on_sample(0.0, 0.2, 0.1, 11, False)  # slow: floor(0.9 * 11) = 9
+    assert a.limit == 9
+    a.on_sample(0.0, 0.0, 0.0, 9, True)  # drop: min(8, floor(8.1)) = 8
+    assert a.limit == 8
+    for _ in range(10):
+        a.on_sample(0.0, 0.05, 0.1, 12, False)
+    assert a.limit == 12
+
+
+def test_limiter_counts_endings() -> None:
+    lim = Limiter(FixedLimit(2))
+    lim.acquire()
+    lim.acquire()
+    assert not lim.has_room()
+    lim.release(0.0, "success", 0.05, 0.1)
+    lim.release(0.0, "dropped")
+    assert lim.has_room() and lim.inflight == 0
+    assert (lim.successes, lim.dropped, lim.ignored) == (1, 1, 0)
+
+
+def test_planned_limit_weaker_gpu_runs_smaller_batch() -> None:
+    h100 = perf_model("H100-SXM", MODEL)
+    l4 = perf_model("L4", MODEL)
+    big = planned_limit(h100, 0.09, 1000, 200)
+    small = planned_limit(l4, 0.09, 1000, 200)
+    assert big > 3 * small >= 3
+    # The plan keeps the step (with its share of prefill) within the target.
+    p = small * 5.0
+    assert l4.step_time(small, small * 1100.0, int(p), p, p * p / 2) <= 0.09
+    # A target below the bare weight-streaming time still allows one request.
+    assert planned_limit(l4, 0.001, 1000, 200) == 1
+
+
+def test_parse_limits_errors_name_the_field() -> None:
+    assert parse_limits(None) is None
+    cfg = parse_limits({"kind": "aimd", "max": 32})
+    assert cfg == LimitConfig(kind="aimd", max_limit=32)
+    with pytest.raises(ConfigError, match=r"limits\.kind"):
+        parse_limits({"kind": "vegas"})
+    with pytest.raises(ConfigError, match=r"limits\.max"):
+        parse_limits({"min": 8, "max": 4})
+    with pytest.raises(ConfigError, match=r"limits\.colour"):
+        parse_limits({"colour": 1})
+
+
+def _balancer(limits: LimitConfig | None) -> Balancer:
+    specs = [NodeSpec("h", DEFAULT_CATALOG.gpu("H100-SXM"), "H100-SXM", models=(MODEL,)),
+             NodeSpec("l", DEFAULT_CATALOG.gpu("L4"), "L4", models=(MODEL,))]
+    return Balancer(specs, [PoolConfig(MODEL, "least_request", slo=Slo(2.0, 0.1),
+                                       limits=limits)], random.Random(0))
+
+
+def test_balancer_respects_limits_and_releases_permits_exactly_once() -> None:
+    b = _balancer(LimitConfig(kind="fixed", initial=2))
+    tickets = [b.pick(MODEL, 100, 0.0) for _ in range(5)]
+    assert [t is not None for t in tickets] == [True] * 4 + [False]
+    assert b.nodes["h"].in_flight == 2 and b.nodes["l"].in_flight == 2
+    t = tickets[0]
+    assert t is not None and t.permit is not None
+    b.on_finish(t, 1.0, Outcome.CLIENT_CANCELLED, 0)
+    b.on_finish(t, 1.1, Outcome.OK, 10)
+    assert t.permit.inflight == 1 and t.permit.ignored == 1 and t.permit.successes == 0
+    assert b.double_release == 1
+    assert b.pick(MODEL, 100, 2.0) is not None
+
+
+def test_no_limits_path_is_untouched() -> None:
+    b = _balancer(None)
+    assert all(n.limiter is None for n in b.nodes.values())
+    assert all(b.pick(MODEL, 100, 0.0) is not None for _ in range(600))
+
+
+def test_planned_initial_limits_follow_the_hardware() -> None:
+    b = _balancer(LimitConfig(kind="gradient", input_tokens=1000, output_tokens=200))
+    h, l4 = b.nodes["h"].limiter, b.nodes["l"].limiter
+    assert h is not None and l4 is not None
+    assert h.limit > 3 * l4.limit

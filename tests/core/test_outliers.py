@@ -1,0 +1,262 @@
+"""Outlier detection and the quarantine lifecycle, on literal samples and a manual clock."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
+from tailguard.core.outliers import OutlierConfig, OutlierDetector
+
+MODEL = "llama-3.1-8b"
+CFG = OutlierConfig(jitter=0.0)
+
+
+class FakePool:
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+        self.invalidated = 0
+
+    def invalidate(self) -> None:
+        self.invalidated += 1
+
+
+def make_nodes(gpus: list[str]) -> dict[str, Node]:
+    out: dict[str, Node] = {}
+    counts: dict[str, int] = {}
+    for g in gpus:
+        gpu = DEFAULT_CATALOG.gpu(g)
+        i = counts.get(gpu.name, 0)
+        counts[gpu.name] = i + 1
+        spec = NodeSpec(f"{gpu.name}#{i}", gpu, gpu.name, models=(MODEL,))
+        out[spec.id] = Node(spec, PerfModel(gpu, DEFAULT_CATALOG.model(MODEL)), len(out))
+    return out
+
+
+class Rig:
+    """A detector, its nodes and a manual clock ticking once a second."""
+
+    def __init__(self, gpus: list[str], cfg: OutlierConfig = CFG) -> None:
+        self.nodes = make_nodes(gpus)
+        self.pool = FakePool(list(self.nodes.values()))
+        self.det = OutlierDetector(cfg)
+        self.rng = random.Random(0)
+        self.now = 0.0
+        self.events: list[tuple[float, str, str]] = []
+        self.tick()  # starts the first interval at t = 0
+
+    def tick(self) -> None:
+        for e in self.det.tick(self.now, self.nodes, [self.pool], self.rng):
+            self.events.append((e.t, e.node, e.state))
+
+    def run(self, seconds: int, ratios: dict[str, float], per_s: int = 2) -> None:
+        """Each node reports ``per_s`` decode and prefill samples a second at its ratio."""
+        for _ in range(seconds):
+            self.now += 1.0
+            for nid, node in self.nodes.items():
+                if not node.state.routable:
+                    continue
+                r = ratios.get(nid, 1.0)
+                for _ in range(per_s):
+                    self.det.on_prefill(node, 0.2 * r, 0.2, self.now)
+                    self.det.on_decode(node, 0.02 * r, 0.02)
+                    self.det.on_outcome(node, Outcome.OK, self.now)
+            self.tick()
+
+    def state(self, nid: str) -> NodeState:
+        return self.nodes[nid].state
+
+
+def test_worked_example_of_the_docstring() -> None:
+    rig = Rig(["A100"] * 4)
+    for node, x in zip(rig.nodes.values(), (0.47, 0.50, 0.52, 1.42), strict=True):
+        for _ in range(5):
+            rig.det.on_decode(node, math.exp(x), 1.0)
+    v = rig.det.verdicts(rig.nodes)
+    slow = v["A100-80GB#3"]
+    assert slow.flagged and slow.slowness == pytest.approx(math.exp(0.91), rel=1e-3)
+    assert "z 12.3" in slow.why
+    assert not v["A100-80GB#0"].flagged
+
+
+def test_throttled_node_degraded_then_quarantined_peers_untouched() -> None:
+    rig = Rig(["A100"] * 4)
+    spread = {"A100-80GB#0": 0.9, "A100-80GB#1": 1.1, "A100-80GB#2": 1.0, "A100-80GB#3": 1.05}
+    rig.run(60, spread)
+    assert rig.events == []  # +-10% card-to-card spread never triggers
+    rig.run(10, {**spread, "A100-80GB#2": 2.5})  # two flagged intervals
+    assert rig.state("A100-80GB#2") is NodeState.DEGRADED
+    assert rig.nodes["A100-80GB#2"].weight_scale == pytest.approx(1 / 2.5 * 1.0, rel=0.1)
+    rig.run(30, {**spread, "A100-80GB#2": 2.5})  # 2.5x < quarantine_ratio: stays degraded
+    assert rig.state("A100-80GB#2") is NodeState.DEGRADED
+    rig.run(14, spread)  # throttle over: three clean intervals
+    assert rig.state("A100-80GB#2") is NodeState.DEGRADED
+    rig.run(1, spread)
+    assert rig.state("A100-80GB#2") is NodeState.HEALTHY
+    assert rig.nodes["A100-80GB#2"].weight_scale == 1.0
+    assert [s for _, n, s in rig.events if n != "A100-80GB#2"] == []
+    assert rig.det.detected_ejections == 0
+
+
+def test_very_slow_node_quarantined_after_degraded() -> None:
+    rig = Rig(["A100"] * 4)
+    rig.run(15, {"A100-80GB#2": 4.0})
+    assert [s for _, _, s in rig.events] == ["degraded", "quarantined"]
+    assert rig.det.detected_ejections == rig.det.enforced_ejections == 1
+
+
+def test_backoff_probation_ramp_and_recovery() -> None:
+    rig = Rig(["A100"] * 4)
+    rig.run(15, {"A100-80GB#1": 4.0})
+    assert rig.state("A100-80GB#1") is NodeState.QUARANTINED
+    t_q = rig.events[-1][0]
+    rig.run(int(30 - (rig.now - t_q)) - 1, {})
+    assert rig.state("A100-80GB#1") is NodeState.QUARANTINED  # base backoff 30 s
+    rig.run(1, {})
+    assert rig.state("A100-80GB#1") is NodeState.PROBATION
+    assert rig.nodes["A100-80GB#1"].weight_scale == pytest.approx(0.1)
+    rig.run(15, {})  # half the slow start: weight half way to 1
+    assert rig.nodes["A100-80GB#1"].weight_scale == pytest.approx(0.55, abs=0.04)
+    rig.run(15, {})
+    assert rig.state("A100-80GB#1") is NodeState.HEALTHY
+    assert rig.nodes["A100-80GB#1"].weight_scale == 1.0
+
+
+def test_slow_on_probation_goes_back_with_doubled_backoff() -> None:
+    rig = Rig(["A100"] * 4)
+    rig.run(15, {"A100-80GB#1": 4.0})
+    rig.run(31, {})
+    assert rig.state("A100-80GB#1") is NodeState.PROBATION
+    rig.run(5, {"A100-80GB#1": 4.0})
+    assert rig.state("A100-80GB#1") is NodeState.QUARANTINED
+    t_q = rig.events[-1][0]
+    rig.run(int(t_q + 59 - rig.now), {})
+    assert rig.state("A100-80GB#1") is NodeState.QUARANTINED  # 30 * 2^1 = 60 s now
+    rig.run(int(t_q + 61 - rig.now), {})
+    assert rig.state("A100-80GB#1") is NodeState.PROBATION
+
+
+def test_jitter_comes_from_the_injected_rng() -> None:
+    cfg = OutlierConfig(jitter=0.1)
+    ends = []
+    for seed in (1, 2):
+        rig = Rig(["A100"] * 4, cfg)
+        rig.rng = random.Random(seed)
+        rig.run(15, {"A100-80GB#1": 4.0})
+        ends.append(rig.det.health["A100-80GB#1"].eject_until - rig.events[-1][0])
+    assert all(27.0 <= e <= 33.0 for e in ends) and ends[0] != ends[1]
+
+
+def test_consecutive_failures_quarantine_at_the_next_tick() -> None:
+    rig = Rig(["L4"] * 3)
+    node = rig.nodes["L4#0"]
+    for _ in range(4):
+        rig.det.on_outcome(node, Outcome.UPSTREAM_5XX, 0.5)
+    rig.det.on_outcome(node, Outcome.UPSTREAM_429, 0.5)  # overload says nothing about health
+    rig.det.on_outcome(node, Outcome.CLIENT_ERROR, 0.5)
+    rig.now = 1.0
+    rig.tick()
+    assert node.state is NodeState.HEALTHY
+    rig.det.on_outcome(node, Outcome.CONNECT_FAILURE, 1.5)
+    rig.now = 2.0
+    rig.tick()
+    assert node.state is NodeState.QUARANTINED
+
+
+def test_failure_ratio_over_an_interval() -> None:
+    rig = Rig(["L4"] * 3)
+    node = rig.nodes["L4#2"]
+    for i in range(12):  # alternate: never 5 in a row, but half of them fail
+        rig.det.on_outcome(node, Outcome.OK if i % 2 else Outcome.TIMEOUT, 1.0)
+    rig.now = 5.0
+    rig.tick()
+    assert node.state is NodeState.QUARANTINED
+
+
+def test_hang_requests_waiting_without_progress() -> None:
+    rig = Rig(["L4"] * 3, replace(CFG, hang_s=10.0))
+    node = rig.nodes["L4#1"]
+    node.in_flight = node.prefilling = 2
+    for _ in range(10):
+        rig.now += 1.0
+        rig.tick()
+    assert node.state is NodeState.HEALTHY
+    rig.now += 2.0
+    rig.tick()
+    assert node.state is NodeState.QUARANTINED
+
+
+def test_max_ejection_share_degrades_instead() -> None:
+    rig = Rig(["A100"] * 3)  # one node is 33% of the pool's capacity
+    for nid in ("A100-80GB#0", "A100-80GB#1"):
+        for _ in range(5):
+            rig.det.on_outcome(rig.nodes[nid], Outcome.UPSTREAM_5XX, 0.5)
+    rig.now = 1.0
+    rig.tick()
+    states = sorted(n.state.value for n in rig.nodes.values())
+    assert states == ["degraded", "healthy", "quarantined"]
+    assert rig.det.detected_ejections == 2 and rig.det.enforced_ejections == 1
+
+
+def test_small_class_uses_its_own_history() -> None:
+    rig = Rig(["H100", "H100", "L4", "L4", "L4"])
+    rig.run(30, {"H100-SXM#0": 1.3})  # history learns each H100's own normal
+    assert rig.events == []
+    rig.run(10, {"H100-SXM#0": 1.3, "H100-SXM#1": 1.8})
+    assert rig.state("H100-SXM#1") is NodeState.DEGRADED
+    assert rig.state("H100-SXM#0") is NodeState.HEALTHY
+
+
+def test_operator_states_are_left_alone_and_uncordon_resets() -> None:
+    rig = Rig(["A100"] * 4)
+    node = rig.nodes["A100-80GB#0"]
+    node.state = NodeState.CORDONED
+    for _ in range(10):
+        rig.det.on_outcome(node, Outcome.UPSTREAM_5XX, 0.5)
+    rig.now = 1.0
+    rig.tick()
+    assert node.state is NodeState.CORDONED
+    node.state = NodeState.HEALTHY
+    rig.det.health[node.id].consecutive_failures = 0
+    rig.now = 2.0
+    rig.tick()
+    assert node.state is NodeState.HEALTHY
+    times = rig.det.time_in_states(2.0)[node.id]
+    assert times == {"healthy": 1.0, "cordoned": 1.0}
+
+
+def test_balancer_tick_returns_detection_events() -> None:
+    specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu("A100"), "A100-80GB", models=(MODEL,))
+             for i in range(4)]
+    b = Balancer(specs, [PoolConfig(MODEL, "round_robin")], random.Random(0))
+    events = []
+    now = 0.0
+    for step in range(400):
+        now = step * 0.1
+        t = b.pick(MODEL, 500, now)
+        assert t is not None
+        node = t.node
+        # n3 answers every request four times slower than its peers.
+        slow = 4.0 if node.id == "n3" else 1.0
+        b.on_first_token(t, now + 0.05 * slow)
+        b.on_finish(t, now + 0.05 * slow + 50 * 0.01 * slow, Outcome.OK, 51)
+        if step % 10 == 0:
+            events += b.tick(now)
+    assert [(e.node, e.state) for e in events][:2] == [("n3", "degraded"), ("n3", "quarantined")]
+    assert b.nodes["n3"] not in b.pools[MODEL].eligible()
+
+
+def test_detection_off() -> None:
+    specs = [NodeSpec("n0", DEFAULT_CATALOG.gpu("A100"), "A100-80GB", models=(MODEL,))]
+    b = Balancer(specs, [PoolConfig(MODEL)], random.Random(0),
+                 outliers=OutlierConfig(enabled=False))
+    assert b.outliers is None
+    t = b.pick(MODEL, 10, 0.0)
+    assert t is not None
+    b.on_finish(t, 0.1, Outcome.UPSTREAM_5XX, 0)
+    assert b.tick(1.0) == []

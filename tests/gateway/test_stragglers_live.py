@@ -1,0 +1,168 @@
+"""Straggler detection, quarantine and remediation live: gateway + emulated engines.
+
+Real sockets on 127.0.0.1, free ports; faults injected through the
+emulator's ``POST /admin/faults``, exactly as an operator would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tailguard.emulator import EmulatedNode, run_emulator
+from tailguard.gateway.app import RunningGateway, run_gateway
+from tailguard.gateway.config import parse_fleet
+
+MODEL = "llama-3.1-8b"
+TOKEN = "straggler-test-token"
+NODES = ["a0", "a1", "a2", "a3"]
+
+
+def fleet_doc(urls: dict[str, str], **extra: Any) -> dict[str, Any]:
+    return {
+        "listen": "127.0.0.1:0",
+        "nodes": [{"id": n, "url": urls[n], "gpu": "A100-80GB", "models": [MODEL]}
+                  for n in NODES],
+        "pools": {MODEL: {"policy": "tailguard",
+                          "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "idle_s": 5.0,
+                                       "total_s": 20.0}}},
+        "scrape": {"interval_s": 0.2},
+        "health": {"interval_s": 0.2},
+        "admin": {"token_env": "TG_STRAGGLER_TOKEN"},
+        **extra,
+    }
+
+
+async def load(gw: RunningGateway, stop: asyncio.Event, workers: int = 8) -> None:
+    """Closed-loop streaming clients until ``stop``."""
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 200}],
+                    "max_tokens": 24, "stream": True}
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(gw.url + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(one(s) for _ in range(workers)))
+
+
+async def get_json(url: str, path: str) -> Any:
+    async with aiohttp.ClientSession() as s, \
+            s.get(url + path, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def node_state(gw: RunningGateway, node: str) -> str:
+    data = await get_json(gw.url, "/admin/nodes")
+    return next(str(n["state"]) for n in data["nodes"] if n["id"] == node)
+
+
+async def wait_state(gw: RunningGateway, node: str, states: tuple[str, ...],
+                     timeout: float) -> float:
+    t0 = time.monotonic()
+    while True:
+        if await node_state(gw, node) in states:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{node} not {states} after {timeout} s "
+                                 f"(now {await node_state(gw, node)})")
+        await asyncio.sleep(0.1)
+
+
+async def emulator_fault(url: str, fault: dict[str, Any] | None) -> None:
+    async with aiohttp.ClientSession() as s:
+        if fault is None:
+            async with s.delete(url + "/admin/faults") as r:
+                assert r.status == 200
+        else:
+            async with s.post(url + "/admin/faults", json=fault) as r:
+                assert r.status == 200, await r.text()
+
+
+def test_throttled_node_detected_live_within_15_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default detection settings (5 s intervals, K = 2): a node at 40% speed is caught."""
+    monkeypatch.setenv("TG_STRAGGLER_TOKEN", TOKEN)
+
+    async def body() -> None:
+        async with run_emulator([EmulatedNode(n, "A100-80GB") for n in NODES], speed=4) as emu:
+            cfg = parse_fleet(fleet_doc(emu.urls))
+            async with run_gateway(cfg) as gw:
+                stop = asyncio.Event()
+                task = asyncio.create_task(load(gw, stop))
+                try:
+                    await asyncio.sleep(11)  # two intervals of healthy history
+                    assert [await node_state(gw, n) for n in NODES] == ["healthy"] * 4
+                    await emulator_fault(emu.urls["a1"], {"kind": "throttle", "factor": 0.4})
+                    took = await wait_state(gw, "a1", ("degraded", "quarantined"), 15.0)
+                    print(f"live throttle 0.4 detected after {took:.1f} s")
+                    assert [await node_state(gw, n) for n in ("a0", "a2", "a3")] == \
+                        ["healthy"] * 3
+                finally:
+                    stop.set()
+                    await task
+
+    asyncio.run(body())
+
+
+def test_fault_quarantine_remediation_probation_healthy(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TG_STRAGGLER_TOKEN", TOKEN)
+    marker = tmp_path / "remediated.txt"
+    script = ("import os, pathlib; pathlib.Path(os.environ['OUT']).write_text("
+              "os.environ['TAILGUARD_NODE_ID'] + ' ' + os.environ['TAILGUARD_NODE_GPU'] + ' ' "
+              "+ os.environ['TAILGUARD_NODE_REASON'])")
+    monkeypatch.setenv("OUT", str(marker))
+
+    async def body() -> None:
+        async with run_emulator([EmulatedNode(n, "A100-80GB") for n in NODES], speed=4) as emu:
+            cfg = parse_fleet(fleet_doc(
+                emu.urls,
+                outliers={"interval_s": 1.0, "base_ejection_s": 2.0, "slow_start_s": 2.0,
+                          "jitter": 0.0},
+                remediation={"cooldown_s": 0, "rules": [
+                    {"on": "quarantined", "command": [sys.executable, "-c", script]},
+                    {"on": "recovered", "command": [sys.executable, "-c", "pass"]}]}))
+            async with run_gateway(cfg) as gw:
+                stop = asyncio.Event()
+                task = asyncio.create_task(load(gw, stop))
+                try:
+                    await asyncio.sleep(1.0)
+                    await emulator_fault(emu.urls["a2"], {"kind": "errors", "rate": 1.0})
+                    await wait_state(gw, "a2", ("quarantined",), 10.0)
+                    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                        text = await r.text()
+                    assert 'tailguard_node_state{gpu="A100-80GB",node="a2",state="quarantined"} 1.0' \
+                        in text
+                    assert 'tailguard_outlier_ejections_total{kind="enforced"}' in text
+                    for _ in range(100):  # the command runs in the background
+                        if marker.exists():
+                            break
+                        await asyncio.sleep(0.05)
+                    text = marker.read_text()
+                    assert text.startswith("a2 A100-80GB ") and "consecutive failures" in text
+                    await emulator_fault(emu.urls["a2"], None)
+                    await wait_state(gw, "a2", ("healthy",), 15.0)
+                finally:
+                    stop.set()
+                    await task
+                events = (await get_json(gw.url, "/admin/events"))["events"]
+        a2 = [(e["kind"], e.get("state") or e.get("trigger"), e.get("result"))
+              for e in events if e["node"] == "a2"]
+        assert ("state", "quarantined", None) in a2
+        assert ("action", "quarantined", "ok") in a2
+        # Out of quarantine only through probation, and healthy last.
+        states = [s for k, s, _ in a2 if k == "state"]
+        assert "probation" in states and states[-1] == "healthy"
+        assert ("action", "recovered", "ok") in a2
+
+    asyncio.run(body())

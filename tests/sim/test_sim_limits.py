@@ -1,0 +1,59 @@
+"""Limits, the admission queue and priorities in the simulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tailguard.errors import ConfigError
+from tailguard.sim.run import simulate
+from tailguard.sim.scenario import PolicyChoice, parse_scenario
+
+
+def raw(with_limits: bool, load: float = 1.4, **extra: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": "t", "seed": 3, "model": "llama-3.1-8b",
+        "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+        "fleet": [{"gpu": "A100-80GB", "count": 1}, {"gpu": "L4", "count": 2}],
+        "workload": {"duration_s": 60, "warmup_s": 10,
+                     "arrival": {"process": "poisson", "load": load},
+                     "input_tokens": {"dist": "lognormal", "mu": 6.0, "sigma": 0.5},
+                     "output_tokens": {"dist": "lognormal", "mu": 4.5, "sigma": 0.5},
+                     "priorities": {"high": 0.2, "normal": 0.6, "low": 0.2}},
+    }
+    if with_limits:
+        doc["limits"] = {"kind": "gradient"}
+        doc["admission"] = {"queue_max": 256}
+    doc.update(extra)
+    return doc
+
+
+def run(doc: dict[str, Any]) -> dict[str, Any]:
+    res: dict[str, Any] = simulate(parse_scenario(doc), [PolicyChoice("tailguard")])
+    return res["results"]["tailguard"]
+
+
+def test_overload_with_limits_sheds_and_protects_high_priority() -> None:
+    base = run(raw(False))
+    lim = run(raw(True))
+    assert "queue_s" not in base and base["shed"] == 0
+    assert lim["shed"] > 0 and lim["queue_s"]["max"] <= 1.0 + 1e-9
+    assert lim["goodput_rps"] > 1.5 * base["goodput_rps"]
+    assert set(lim["limits"]) == {"A100-80GB", "L4"}
+    assert lim["limits"]["L4"]["max"] < lim["limits"]["A100-80GB"]["min"]
+    pri = lim["per_priority"]
+    assert pri["high"]["slo_attainment"] > pri["low"]["slo_attainment"]
+    assert pri["low"]["shed"] > pri["high"]["shed"]
+    assert run(raw(True)) == lim  # deterministic
+
+
+def test_scenario_keys_are_validated() -> None:
+    with pytest.raises(ConfigError, match=r"limits\.kind"):
+        parse_scenario(raw(False, limits={"kind": "nope"}))
+    with pytest.raises(ConfigError, match=r"admission\.queue_max"):
+        parse_scenario(raw(False, admission={"queue_max": "many"}))
+    doc = raw(False)
+    doc["workload"]["priorities"] = {"urgent": 1.0}
+    with pytest.raises(ConfigError, match=r"priorities"):
+        parse_scenario(doc)

@@ -1,0 +1,75 @@
+"""Straggler detection in the simulator: generated fleets, short runs, same seed same result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tailguard.errors import ConfigError
+from tailguard.sim.run import simulate
+from tailguard.sim.scenario import PolicyChoice, parse_scenario
+
+
+def scenario(faults: list[dict[str, Any]], duration: float = 200.0,
+             **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "t", "seed": 5, "model": "llama-3.2-3b", "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
+        "fleet": [{"gpu": "H100-SXM", "count": 1, "speed_spread": 0.1},
+                  {"gpu": "A100-80GB", "count": 4, "speed_spread": 0.1},
+                  {"gpu": "L4", "count": 2, "speed_spread": 0.1}],
+        "workload": {"duration_s": duration, "warmup_s": 30,
+                     "arrival": {"process": "poisson", "rate": 40.0},
+                     "input_tokens": {"dist": "azure-conv"},
+                     "output_tokens": {"dist": "azure-conv"}},
+        "faults": faults, **extra,
+    }
+
+
+def run(raw: dict[str, Any]) -> dict[str, Any]:
+    out = simulate(parse_scenario(raw), [PolicyChoice("tailguard")])
+    res: dict[str, Any] = out["results"]["tailguard"]
+    return res
+
+
+def test_throttle_detected_within_15_s_and_peers_untouched() -> None:
+    res = run(scenario([{"node": "A100-80GB#1", "kind": "throttle", "factor": 0.4,
+                         "at_s": 80, "duration_s": 60}]))
+    rep = res["outliers"]
+    det = rep["time_to_detect"][0]
+    assert det["state"] in ("degraded", "quarantined") and det["detected_s"] <= 15.0
+    assert rep["false_detections"] == 0
+    assert {e["node"] for e in res["events"]} == {"A100-80GB#1"}
+    # Healthy again once the throttle ended.
+    assert res["events"][-1]["state"] == "healthy"
+    assert set(rep["time_in_state_s"]) == {"A100-80GB#1"}
+
+
+def test_errors_quarantine_then_probation() -> None:
+    res = run(scenario([{"node": "A100-80GB#2", "kind": "error_rate", "rate": 1.0,
+                         "at_s": 60, "duration_s": 20}],
+                       outliers={"base_ejection_s": 10.0}))
+    states = [e["state"] for e in res["events"] if e["node"] == "A100-80GB#2"]
+    assert states[0] == "quarantined" and "probation" in states and states[-1] == "healthy"
+    assert res["outliers"]["time_to_detect"][0]["detected_s"] <= 2.0
+    assert res["outliers"]["enforced_ejections"] >= 1
+
+
+def test_detection_off_and_determinism() -> None:
+    faults = [{"node": "A100-80GB#1", "kind": "throttle", "factor": 0.4, "at_s": 60}]
+    off = run(scenario(faults, 120.0, outliers={"enabled": False}))
+    assert off["events"] == [] and "outliers" not in off
+    a = run(scenario(faults, 120.0))
+    b = run(scenario(faults, 120.0))
+    assert a == b and a["events"]
+
+
+def test_outliers_key_is_checked() -> None:
+    with pytest.raises(ConfigError, match="outliers.interval"):
+        parse_scenario(scenario([], outliers={"interval": 5}))
+    with pytest.raises(ConfigError, match="outliers.enabled"):
+        parse_scenario(scenario([], outliers={"enabled": "yes"}))
+    with pytest.raises(ConfigError, match="outliers.consecutive_intervals"):
+        parse_scenario(scenario([], outliers={"consecutive_intervals": 0}))
+    scn = parse_scenario(scenario([], outliers={"slow_ratio": 2}))
+    assert scn.outliers.slow_ratio == 2.0 and scn.outliers.enabled
