@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test lint typecheck unit bench clean
+.PHONY: install sysdeps demo test lint typecheck unit bench docs-figures clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,13 @@ test: sysdeps lint typecheck unit
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
+
+# The pictures in README.md and docs/: the live dashboard (headless Chromium) and a sweep.
+docs-figures: $(STAMP) sysdeps
+	TAILGUARD_UPDATE_DOCS=1 $(BIN)/pytest -q tests/observability/test_dashboard_browser.py
+	d=$$(mktemp -d) && $(BIN)/tailguard sim scenarios/mixed.yaml --duration 120 --quiet \
+	  --sweep 0.5:1.2:0.1 --report $$d/report.html --report-figures $$d \
+	  && cp $$d/sweep.png docs/sim-sweep.png && rm -rf $$d
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache

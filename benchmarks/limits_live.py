@@ -112,9 +112,11 @@ async def one_run(limited: bool, rate: float, duration: float) -> dict[str, Any]
             *docs, lat = await asyncio.gather(*benches, late_probe())
             limits = {n.id: n.limiter.limit for n in gw.fleet.balancer.nodes.values()
                       if n.limiter is not None}
+            queue = gw.fleet.balancer.pools[MODEL].queue
+            reasons = dict(queue.shed_total) if queue is not None else {}
     gpu_of = {n.id: n.gpu for n in emulated}
     res: dict[str, Any] = {"goodput_rps": 0.0, "rejected": 0, "per_priority": {},
-                           "tpot_p99_by_class": {}, "limits": limits, "probe_429_s": lat}
+                           "tpot_p99_by_class": {}, "limits": limits, "probe_429_s": lat, "shed_reasons": reasons}
     for doc in docs:
         for label, r in doc["results"].items():
             res["goodput_rps"] += r["goodput_rps"]
@@ -144,7 +146,7 @@ async def main_async(load: float, duration: float) -> None:
               f"req/s, 429s {r['rejected']}, P99 TPOT/SLO by class {tpot}{lat_s}")
         print(f"    per priority {r['per_priority']}")
         if r["limits"]:
-            print(f"    final limits {r['limits']}")
+            print(f"    final limits {r['limits']}; shed by reason {r['shed_reasons']}")
 
 
 def main() -> None:

@@ -93,6 +93,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     out = Console() if Console().is_terminal else Console(width=160)
     out.print(_sim_table(doc))
     out.print(_per_gpu_table(doc))
+    from tailguard.sim.stragglers import straggler_table
+
+    strag = straggler_table(doc)
+    if strag is not None:
+        out.print(strag)
     if loads:
         out.print(_sweep_table(doc))
     if args.report:

@@ -6,6 +6,11 @@ is read the same way by ``tailguard sim`` (top level of a scenario) and
 dataclass, type-checked, unknown keys refused::
 
     outliers: {enabled: true, interval_s: 5, slow_ratio: 1.5, base_ejection_s: 30}
+
+``hedging:`` (:class:`~tailguard.core.hedging.HedgeConfig`, off by default) is
+a scenario's top-level key and a fleet file's per-pool key::
+
+    hedging: {enabled: true, quantile: 0.95, budget: 0.05}   # or after_s: 0.5 (fixed)
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 from tailguard.config_file import check_keys, require_mapping
+from tailguard.core.hedging import HedgeConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.errors import ConfigError
 
@@ -51,4 +57,15 @@ def parse_outliers(raw: Any, where: str = "outliers") -> OutlierConfig:
         raise ConfigError(f"{where}.interval_s", "must be > 0")
     if not 0.0 < cfg.max_ejection_share <= 1.0:
         raise ConfigError(f"{where}.max_ejection_share", "must be in (0, 1]")
+    return cfg
+
+
+def parse_hedging(raw: Any, where: str = "hedging") -> HedgeConfig:
+    cfg: HedgeConfig = parse_dataclass_options(raw, where, HedgeConfig, HedgeConfig())
+    if not 0.0 < cfg.quantile < 1.0:
+        raise ConfigError(f"{where}.quantile", "must be in (0, 1)")
+    if not 0.0 <= cfg.budget <= 1.0:
+        raise ConfigError(f"{where}.budget", "must be in [0, 1]")
+    if cfg.burst < 1.0:
+        raise ConfigError(f"{where}.burst", "must be >= 1 (one hedge)")
     return cfg

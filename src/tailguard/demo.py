@@ -106,6 +106,7 @@ async def run_demo(duration_s: float, load: float, console: Console) -> tuple[
         async with run_gateway(fleet, host="127.0.0.1", port=0) as gw:
             console.print(f"gateway:  {gw.url}/v1   (OpenAI-compatible; try /v1/models)")
             console.print(f"metrics:  {gw.url}/metrics")
+            console.print(f"dashboard: {gw.url}/dashboard   (live, in a browser)")
             console.print(f"fleet capacity bound {bound:.1f} req/s; offering {rate:.1f} req/s "
                           f"({load:.0%}) for {duration_s:.0f} s ...")
             doc = await run_bench(BenchConfig(

@@ -180,3 +180,40 @@ def test_queued_dispatches_replay_exactly() -> None:
     assert queued > 20 and shed > 0
     result = replay(log)
     assert result.differences == [] and result.decisions > 200
+
+
+def _one_node(limit: int) -> Balancer:
+    specs = [NodeSpec("a", DEFAULT_CATALOG.gpu("H100"), "H100-SXM", models=(MODEL,))]
+    pool = PoolConfig(MODEL, "least_request", slo=Slo(5.0, 0.1),
+                      limits=LimitConfig(kind="fixed", initial=limit),
+                      admission=AdmissionConfig(queue_max=16))
+    return Balancer(specs, [pool], random.Random(0))
+
+
+def test_lower_priorities_leave_a_reserve_only_while_higher_ones_arrive() -> None:
+    b = _one_node(10)
+    got = [b.admit(MODEL, 10, 0.0) for _ in range(11)]
+    assert [isinstance(g, Ticket) for g in got] == [True] * 10 + [False]  # normal alone: all 10
+    b = _one_node(10)
+    first_high = b.admit(MODEL, 10, 0.0, priority=0)
+    assert isinstance(first_high, Ticket)
+    got = [b.admit(MODEL, 10, 0.1) for _ in range(10)]
+    assert [isinstance(g, Ticket) for g in got] == [True] * 8 + [False] * 2  # 9 of 10 in use
+    assert isinstance(b.admit(MODEL, 10, 0.2, priority=0), Ticket)  # the reserve
+    assert b.nodes["a"].in_flight == 10
+
+
+def test_a_long_prompt_backlog_holds_requests_in_the_queue() -> None:
+    b = _one_node(100)
+    node = b.nodes["a"]
+    # ~2.3 s of prefill ahead at the roofline (8B on an H100: ~23 us a token).
+    big = b.admit(MODEL, 100_000, 0.0, ttft_s=5.0)
+    assert isinstance(big, Ticket) and node.prefill_backlog == 100_000
+    held = b.admit(MODEL, 1000, 0.0, ttft_s=1.0)
+    assert isinstance(held, Waiter)  # room under the limit, but it would miss 1 s
+    b.on_first_token(big, 2.0)  # the backlog is gone: the waiter goes at once
+    decisions = b.poll_queue(2.0)
+    assert [(w, isinstance(d, Ticket)) for w, d in decisions] == [(held, False)]
+    assert isinstance(decisions[0][1], Shed)  # ... unless its deadline has passed
+    again = b.admit(MODEL, 1000, 2.1, ttft_s=1.0)
+    assert isinstance(again, Ticket)

@@ -69,5 +69,7 @@ def test_recorder_sees_every_input() -> None:
     t = b.pick(MODEL, 10, 0.0)
     b.on_first_token(t, 0.1)
     b.on_finish(t, 0.5, Outcome.OK, 3)
-    assert [r["op"] for r in seen] == ["pick", "first_token", "finish"]
-    assert seen[0]["node"] == "n0"
+    ops = [r["op"] for r in seen]
+    assert ops[:3] == ["init", "add_pool", "add_node"]  # the fleet as it was built
+    assert ops[3:] == ["pick", "first_token", "finish"]
+    assert seen[3]["node"] == "n0" and seen[4]["ticket"] == seen[3]["ticket"]

@@ -171,10 +171,15 @@ def test_consecutive_failures_quarantine_at_the_next_tick() -> None:
 def test_failure_ratio_over_an_interval() -> None:
     rig = Rig(["L4"] * 3)
     node = rig.nodes["L4#2"]
-    for i in range(12):  # alternate: never 5 in a row, but half of them fail
-        rig.det.on_outcome(node, Outcome.OK if i % 2 else Outcome.TIMEOUT, 1.0)
+    for i in range(12):  # one in three fails: never 5 in a row
+        rig.det.on_outcome(node, Outcome.TIMEOUT if i % 3 == 0 else Outcome.OK, 1.0)
     rig.now = 5.0
     rig.tick()
+    assert node.state is NodeState.HEALTHY  # 12 requests: too few to judge
+    for i in range(12):
+        rig.det.on_outcome(node, Outcome.TIMEOUT if i % 3 == 0 else Outcome.OK, 6.0)
+    rig.now = 10.0
+    rig.tick()  # 8 of 24 over the window
     assert node.state is NodeState.QUARANTINED
 
 

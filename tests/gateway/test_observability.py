@@ -5,21 +5,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace as NS
 from typing import Any
 
 import aiohttp
 import pytest
-from gateway_fakes import FakeEngine, fleet_and_gateway, wait_for
+import yaml
+from gateway_fakes import FakeEngine, fleet_and_gateway, fleet_doc, free_port, wait_for
 from multidict import CIMultiDict
 
+from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.app import DASHBOARD, RunningGateway
+from tailguard.gateway.dashboard import pool_shed_total
 from tailguard.gateway.logs import JsonFormatter, TextFormatter
+from tailguard.gateway.metrics import node_limit, node_slowness, pool_queue_depth
 
 MSG = [{"role": "user", "content": "hello"}]
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 async def post(gw: RunningGateway, body: dict[str, Any],
@@ -153,5 +163,86 @@ def test_dashboard_page_and_state_feed() -> None:
             assert (ev["node"], ev["kind"], ev["state"]) == ("b", "state", "draining")
             assert ev["reason"] == "was healthy"
             assert state["pools"][0]["states"] == {"healthy": 1, "draining": 1}
+            # Removed from the fleet: one more event, and the node is gone from the feed.
+            gw.fleet.retire("b", timeout_s=0)
+            await wait_for(lambda: dash.events[-1]["kind"] == "removed", what="removed event")
+            state = json.loads((await get(gw, "/dashboard/state"))[2])
+            assert [n["id"] for n in state["nodes"]] == ["a"]
+            assert [(e["node"], e["kind"]) for e in state["events"]] == [("b", "state"),
+                                                                        ("b", "removed")]
+            # The fleet's event log (core events, remediation results) feeds it too, and a
+            # state change it announces is not repeated by the watcher.
+            gw.fleet.set_state("a", NodeState.QUARANTINED)
+            gw.fleet.event_log.on_core_event(Event(0.0, "a", "state", "quarantined", "slow 3x"))
+            gw.fleet.event_log.add({"node": "a", "kind": "action", "trigger": "quarantined",
+                                    "action": "command", "result": "ok", "detail": "exit 0"})
+            await wait_for(lambda: dash.events[-1]["kind"] == "action", what="remediation")
+            await asyncio.sleep(0.6)  # two more watch cycles
+            assert [(e["node"], e["kind"], e["state"], e["reason"])
+                    for e in list(dash.events)[2:]] == [
+                ("a", "state", "quarantined", "slow 3x"),
+                ("a", "action", "ok", "command on quarantined: exit 0")]
 
     asyncio.run(body())
+
+
+def test_serve_logs_json_lines(tmp_path: Path) -> None:
+    """``tailguard serve --log-format json``: one JSON object per request on stderr."""
+
+    async def body() -> None:
+        engine = await FakeEngine("a").start()
+        port = free_port()
+        path = tmp_path / "fleet.yaml"
+        path.write_text(yaml.safe_dump(fleet_doc([engine], listen=f"127.0.0.1:{port}",
+                                                 reload={"poll_s": 0})))
+        env = {**os.environ, "PYTHONPATH": SRC}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tailguard.cli", "serve", "--config", str(path),
+             "--log-format", "json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                for _ in range(200):
+                    try:
+                        async with s.get(url + "/ready") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    assert proc.poll() is None
+                    await asyncio.sleep(0.05)
+                async with s.post(url + "/v1/chat/completions",
+                                  json={"model": "m", "messages": MSG, "stream": True},
+                                  headers={"x-request-id": "json-log-1"}) as r:
+                    assert r.status == 200 and r.headers["x-request-id"] == "json-log-1"
+                    await r.read()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=20)
+            await engine.stop()
+        lines = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+        mine = [d for d in lines if d.get("id") == "json-log-1"]
+        assert len(mine) == 1, err.decode()
+        doc = mine[0]
+        assert doc["logger"] == "tailguard.request" and doc["level"] == "info"
+        assert doc["msg"] == "POST /v1/chat/completions 200"
+        assert doc["node"] == "a" and doc["pool"] == "m" and doc["tokens"] >= 1
+        assert doc["ts"].endswith("Z") and doc["ttft_s"] <= doc["e2e_s"]
+
+    asyncio.run(body())
+
+
+def test_optional_core_parts_are_read_when_present() -> None:
+    """Limiter, admission queue and outlier detector: read if the core has them."""
+    cap = NS(decode_slowdown=1.5)
+    bare = NS(id="n", slots=64, limiter=None, class_decode_slowdown=1.2, capacity=cap)
+    assert node_limit(bare) == 64
+    assert node_limit(NS(**{**vars(bare), "limiter": NS(limit=12)})) == 12
+    assert node_slowness(bare) == pytest.approx(1.25)  # against its class, no detector
+    det = NS(health={"n": NS(slowness=3.1)})
+    assert node_slowness(bare, NS(outliers=det)) == 3.1
+    assert node_slowness(bare, NS(outliers=NS(health={}))) == pytest.approx(1.25)
+    assert pool_queue_depth(NS(queue=None)) == 0
+    assert pool_queue_depth(NS(queue=[1, 2, 3])) == 3
+    assert pool_shed_total(NS(queue=None)) == 0
+    assert pool_shed_total(NS(queue=NS(shed_total={"queue_full": 2, "deadline": 1}))) == 3

@@ -28,8 +28,8 @@ NODES = ["a0", "a1", "a2", "a3"]
 def fleet_doc(urls: dict[str, str], **extra: Any) -> dict[str, Any]:
     return {
         "listen": "127.0.0.1:0",
-        "nodes": [{"id": n, "url": urls[n], "gpu": "A100-80GB", "models": [MODEL]}
-                  for n in NODES],
+        "nodes": [{"id": n, "url": url, "gpu": "A100-80GB", "models": [MODEL]}
+                  for n, url in urls.items()],
         "pools": {MODEL: {"policy": "tailguard",
                           "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "idle_s": 5.0,
                                        "total_s": 20.0}}},
@@ -164,5 +164,44 @@ def test_fault_quarantine_remediation_probation_healthy(
         states = [s for k, s, _ in a2 if k == "state"]
         assert "probation" in states and states[-1] == "healthy"
         assert ("action", "recovered", "ok") in a2
+
+    asyncio.run(body())
+
+
+def test_hedge_races_a_stalled_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled node's requests are answered by their hedges; the losers are released."""
+    monkeypatch.setenv("TG_STRAGGLER_TOKEN", TOKEN)
+
+    async def stream(gw: RunningGateway) -> tuple[float, str, bytes]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 8, "stream": True}
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s, \
+                s.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            first = await r.content.readany()
+            ttft = time.monotonic() - t0
+            rest = await r.read()
+            return ttft, r.headers["x-tailguard-node"], first + rest
+
+    async def body() -> None:
+        nodes = [EmulatedNode(n, "A100-80GB") for n in ("a0", "a1")]
+        async with run_emulator(nodes, speed=4) as emu:
+            doc = fleet_doc(emu.urls, outliers={"enabled": False})
+            doc["pools"][MODEL].update(policy="round_robin",
+                                       hedging={"enabled": True, "after_s": 0.3, "budget": 1.0})
+            async with run_gateway(parse_fleet(doc)) as gw:
+                await emulator_fault(emu.urls["a0"], {"kind": "stall", "seconds": 20})
+                results = await asyncio.gather(*(stream(gw) for _ in range(6)))
+                assert all(b.rstrip().endswith(b"data: [DONE]") for _, _, b in results)
+                # Every answer came from the healthy node, within a second.
+                assert {n for _, n, _ in results} == {"a1"}
+                assert max(t for t, _, _ in results) < 2.0
+                bal = gw.fleet.balancer
+                assert bal.nodes["a0"].in_flight == 0 and bal.nodes["a1"].in_flight == 0
+                async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                    text = await r.text()
+                assert 'tailguard_hedges_total{pool="llama-3.1-8b",result="won"} 3.0' in text
+                await emulator_fault(emu.urls["a0"], None)
 
     asyncio.run(body())

@@ -65,11 +65,24 @@ def test_detection_off_and_determinism() -> None:
 
 
 def test_outliers_key_is_checked() -> None:
-    with pytest.raises(ConfigError, match="outliers.interval"):
+    with pytest.raises(ConfigError, match=r"outliers\.interval"):
         parse_scenario(scenario([], outliers={"interval": 5}))
-    with pytest.raises(ConfigError, match="outliers.enabled"):
+    with pytest.raises(ConfigError, match=r"outliers\.enabled"):
         parse_scenario(scenario([], outliers={"enabled": "yes"}))
-    with pytest.raises(ConfigError, match="outliers.consecutive_intervals"):
+    with pytest.raises(ConfigError, match=r"outliers\.consecutive_intervals"):
         parse_scenario(scenario([], outliers={"consecutive_intervals": 0}))
     scn = parse_scenario(scenario([], outliers={"slow_ratio": 2}))
     assert scn.outliers.slow_ratio == 2.0 and scn.outliers.enabled
+
+
+def test_hedging_cuts_the_stall_tail_within_budget() -> None:
+    stalls = [{"node": n, "kind": "stall", "at_s": 20 + 3 * i, "period_s": 10, "pause_s": 2.0}
+              for i, n in enumerate(("A100-80GB#0", "A100-80GB#2", "H100-SXM#0"))]
+    off = run(scenario(stalls, 150.0))
+    on = run(scenario(stalls, 150.0, hedging={"enabled": True}))
+    assert off["hedges"] == 0 and "hedge_wins" not in off
+    assert 0 < on["hedge_share"] <= 0.0501  # 5% budget (+ one hedge of starting credit)
+    assert on["hedge_wins"] > 0.5 * on["hedges"]
+    assert on["ttft_s"]["p99"] * 2 <= off["ttft_s"]["p99"]
+    assert on["completed"] == off["completed"]  # every request answered exactly once
+    assert on == run(scenario(stalls, 150.0, hedging={"enabled": True}))

@@ -18,17 +18,20 @@ silent timeout:
   and the newcomer does not outrank its worst entry; if it does, that worst
   entry is displaced (``displaced``) and the newcomer takes its place, so low
   priority absorbs the shedding;
-* ``deadline``: the predicted wait exceeds the time left to the deadline.
-  The wait is ``(entries ahead of it + 1) / drain rate``, the drain rate
-  being the pool's permit releases per second, a counter decayed with time
-  constant ``rate_tau_s``;
+* ``deadline``: the predicted wait exceeds the time left to the deadline
+  (less the node's recent TTFT, ``service_ttft``). The wait is
+  ``(entries of its priority or higher + 1) / (release rate - arrival rate
+  of higher priorities)``: higher-priority arrivals overtake it, as in a
+  preemptive-priority queue. Rates are counters decayed with time constant
+  ``rate_tau_s``; before the first release nothing is shed on prediction;
 * ``expired``: an entry still queued at its deadline (it could no longer
   meet the TTFT SLO; serving it would only delay the others).
 
-Worked example: releases at 20/s, a ``normal`` request arrives with 30
-``high`` and ``normal`` entries ahead and a TTFT SLO of 1 s: predicted wait
-31 / 20 = 1.55 s > 1 s, so it is shed at once with ``Retry-After: 2``; a
-``high`` one with 10 ``high`` entries ahead waits 0.55 s and is queued.
+Worked example: releases at 20/s, ``high`` arriving at 4/s, a ``normal``
+request arrives with 30 ``high`` and ``normal`` entries ahead and a TTFT SLO
+of 1 s: predicted wait 31 / (20 - 4) = 1.9 s > 1 s, so it is shed at once
+with ``Retry-After`` of the queue's drain time; a ``high`` one with 10
+``high`` entries ahead waits 11 / 20 = 0.55 s and is queued.
 
 A cancelled client leaves at once: its entry stops counting towards the
 length and bytes immediately (the heap entry is skipped when reached).
@@ -108,8 +111,8 @@ class Waiter:
 class AdmissionQueue:
     """One pool's queue: bounded, ordered by (priority, deadline, arrival)."""
 
-    __slots__ = ("_heap", "_rate", "_rate_t", "_seq", "by_priority", "bytes", "config", "length",
-                 "service_ttft", "shed_total")
+    __slots__ = ("_arrivals", "_arrivals_t", "_heap", "_rate", "_rate_t", "_seq", "by_priority",
+                 "bytes", "config", "length", "service_ttft", "shed_total")
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -120,6 +123,8 @@ class AdmissionQueue:
         self.by_priority = [0, 0, 0]
         self._rate = 0.0  # decayed count of releases
         self._rate_t = 0.0
+        self._arrivals = [0.0, 0.0, 0.0]  # decayed counts of arrivals per priority
+        self._arrivals_t = [0.0, 0.0, 0.0]
         self.shed_total: dict[str, int] = {}
         # Recent node-side TTFT (dispatch to first token): a request must leave
         # the queue at least this long before its deadline to meet it.
@@ -145,6 +150,19 @@ class AdmissionQueue:
         """The last moment ``w`` can leave the queue and still meet its deadline."""
         return w.deadline - self.service_ttft
 
+    def on_arrival(self, priority: int, now: float) -> None:
+        """A request of ``priority`` arrived at the pool (queued or not)."""
+        self._arrivals[priority] = self._decay(self._arrivals[priority],
+                                               now - self._arrivals_t[priority]) + 1.0
+        self._arrivals_t[priority] = now
+
+    def arrival_rate(self, priority: int, now: float) -> float:
+        return self._decay(self._arrivals[priority],
+                           now - self._arrivals_t[priority]) / self.config.rate_tau_s
+
+    def _decay(self, count: float, dt: float) -> float:
+        return count * math.exp(-dt / self.config.rate_tau_s) if dt > 0 else count
+
     def drain_rate(self, now: float) -> float:
         """Permit releases per second lately (0 until the first release)."""
         return self._decayed(now) / self.config.rate_tau_s
@@ -154,9 +172,16 @@ class AdmissionQueue:
         return self._rate * math.exp(-dt / self.config.rate_tau_s) if dt > 0 else self._rate
 
     def predicted_wait(self, priority: int, now: float) -> float:
-        """Seconds until a new entry of ``priority`` would be dispatched (inf: no drain seen)."""
+        """Seconds until a new entry of ``priority`` would be dispatched (inf: never).
+
+        Entries of higher priority that arrive meanwhile overtake it, so the
+        rate at which its own class moves is the release rate minus their
+        arrival rate (a preemptive-priority queue's effective service rate).
+        """
         ahead = sum(self.by_priority[: priority + 1])
         rate = self.drain_rate(now)
+        for p in range(priority):
+            rate -= self.arrival_rate(p, now)
         return (ahead + 1) / rate if rate > 0 else math.inf
 
     def retry_after(self, now: float) -> float:
@@ -173,7 +198,8 @@ class AdmissionQueue:
         # which the deadline check at dispatch covers.
         # Before any release there is no drain rate to predict from.
         if (cfg.shed_on_predicted_wait and w.deadline < math.inf and self.length
-                and math.inf > now + self.predicted_wait(w.priority, now) > self.latest_start(w)):
+                and self._rate > 0.0
+                and now + self.predicted_wait(w.priority, now) > self.latest_start(w)):
             return self._shed("deadline", now), []
         displaced: list[Waiter] = []
         while self.length and (self.length >= cfg.queue_max

@@ -38,6 +38,10 @@ from tailguard.errors import ConfigError
 FALLBACK_MODEL = "llama-3.1-8b"
 FALLBACK_GPU = "L40S"
 
+# Share of each node's concurrency limit and of the TTFT budget that requests
+# of priority high, normal, low may use when their pool has a queue.
+PRIORITY_SHARE = (1.0, 0.9, 0.8)
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -313,6 +317,11 @@ class Balancer:
         step = decode_step_s(perf, ticket.batch_at_dispatch, pool.mean_prompt + pool.mean_output / 2)
         expected = prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens) + step
         node.capacity.prefill.update(ttft, expected)
+        queue = pool.queue
+        if queue is not None and queue.length:  # a shorter backlog may admit a waiter
+            self._drain(pool, now, self._queue_decisions, scan=False)
+            if self._queue_decisions and self.on_queue_decision is not None:
+                self.on_queue_decision()
         if self.outliers is not None:
             self.outliers.on_prefill(node, ttft, expected, now)
 
@@ -379,15 +388,21 @@ class Balancer:
         if pool is None or not pool.limited:
             return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
         queue = pool.queue
-        if queue is None or queue.length == 0:
-            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
+        if queue is not None:
+            queue.on_arrival(min(max(priority, 0), 2), now)
+        deadline = now + (ttft_s if ttft_s is not None else pool.config.slo.ttft_s)
+        # Try at once unless a request of the same or higher priority waits:
+        # lower priorities queued behind their share leave the reserve free.
+        if queue is None or sum(queue.by_priority[: min(max(priority, 0), 2) + 1]) == 0:
+            avoid = exclude if queue is None else self._unsuitable(
+                pool, prompt_tokens, priority, deadline - now, exclude, now)
+            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, avoid)
             if ticket is not None:
                 return ticket
         if not any(n.id not in exclude for n in pool.eligible()):
             return None
         if queue is None:
             return Shed("no_capacity", 1.0)
-        deadline = now + (ttft_s if ttft_s is not None else pool.config.slo.ttft_s)
         waiter = Waiter(model, prompt_tokens, max_tokens, priority, now, deadline, size_bytes,
                         exclude, payload)
         shed, displaced = queue.offer(waiter, now)
@@ -429,12 +444,60 @@ class Balancer:
                 queue.shed_total["expired"] = queue.shed_total.get("expired", 0) + 1
                 out.append((w, Shed("expired", queue.retry_after(now))))
                 continue
-            ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, w.exclude)
+            avoid = self._unsuitable(pool, w.prompt_tokens, w.priority, w.deadline - now,
+                                     w.exclude, now)
+            ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid)
             if ticket is None:
                 return
             queue.pop()
             w.state = "dispatched"
             out.append((w, ticket))
+
+    def _unsuitable(self, pool: Pool, prompt_tokens: int, priority: int, budget_s: float,
+                    exclude: Sequence[str], now: float) -> Sequence[str]:
+        """``exclude`` plus the nodes a queued-pool request should not go to now.
+
+        A node whose prompt backlog would make the request miss its TTFT budget
+        (though the node idle would meet it): better to wait in the queue for
+        another (a permit or a first token frees one). Lower priorities see a
+        share of each node's limit and of the budget (normal 90%, low 80%), so
+        a high-priority request always finds room and a short backlog:
+        Netflix concurrency-limits' partitioned limiter, by priority. The
+        reserve only holds while higher priorities have arrived lately: a pool
+        of normal requests alone uses the whole limit.
+        """
+        p = min(max(priority, 0), 2)
+        share = PRIORITY_SHARE[p]
+        queue = pool.queue
+        if share < 1.0 and queue is not None and not any(
+                queue.arrival_rate(q, now) > 0.01 for q in range(p)):
+            share = 1.0
+        budget = budget_s * share
+        out: list[str] | None = None
+        hopeless: list[str] = []  # would miss the budget even idle
+        capable = False
+        for n in pool.eligible():
+            if n.id in exclude:
+                continue
+            slow = n.class_prefill_slowdown
+            if prefill_s(n.perf, 0, prompt_tokens) * slow > budget:
+                hopeless.append(n.id)
+                continue
+            capable = True
+            lim = n.limiter
+            full = lim is not None and share < 1.0 and lim.inflight >= lim.limit * share
+            if full or prefill_s(n.perf, n.prefill_backlog, prompt_tokens) * slow > budget:
+                if out is None:
+                    out = list(exclude)
+                out.append(n.id)
+        if capable and hopeless:
+            # A long prompt waits for a node that can meet its TTFT rather than
+            # land on a slow one, where it would miss anyway and stall the
+            # decode steps of everything running there.
+            if out is None:
+                out = list(exclude)
+            out.extend(hopeless)
+        return exclude if out is None else out
 
     def _release_permit(self, ticket: Ticket, now: float, outcome: Outcome,
                         output_tokens: int) -> None:
@@ -536,13 +599,22 @@ class Balancer:
         return self.outliers.tick(now, self.nodes, self.pools.values(), self.rng)
 
     def _refresh_class_slowdowns(self) -> None:
+        # The class's speed is its healthy nodes' (all of them if none is): a
+        # straggler the outlier detector caught is priced by its own weight
+        # scale, and must not make its peers look slower than they are.
         sums: dict[str, list[float]] = {}
         for node in self.nodes.values():
-            acc = sums.setdefault(node.spec.gpu_class, [0.0, 0.0, 0.0])
+            acc = sums.setdefault(node.spec.gpu_class, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
             acc[0] += node.capacity.decode.log_ratio
             acc[1] += node.capacity.prefill.log_ratio
             acc[2] += 1.0
+            if node.state is NodeState.HEALTHY:
+                acc[3] += node.capacity.decode.log_ratio
+                acc[4] += node.capacity.prefill.log_ratio
+                acc[5] += 1.0
         for node in self.nodes.values():
-            d, p, n = sums[node.spec.gpu_class]
+            d, p, n, hd, hp, hn = sums[node.spec.gpu_class]
+            if hn:
+                d, p, n = hd, hp, hn
             node.class_decode_slowdown = math.exp(d / n)
             node.class_prefill_slowdown = math.exp(p / n)

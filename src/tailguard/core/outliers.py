@@ -39,10 +39,14 @@ the node at 0.47 scores -0.5. With speeds spread +-10% the largest deviation is
 
 Failures (Envoy outlier detection): ``consecutive_failures`` (5) node failures
 in a row (connect failure, timeout, 5xx; a 429 or a client's own error says
-nothing about the node), a ``failure_ratio`` (0.5) of at least
-``failure_min_requests`` (10) requests in one interval, or a **hang**: requests
+nothing about the node), a ``failure_ratio`` (0.25) of at least
+``failure_min_requests`` (20) requests over the last ``failure_window``
+intervals (6: 30 s; Envoy's failure-percentage check, with a threshold low
+enough to catch a node failing a third of its requests, and a window long
+enough that a node failing 5% does not reach it by chance), or a **hang**: requests
 waiting for their first token and no first token nor finish on the node for
-``hang_s`` (30 s).
+``hang_s`` (120 s: the gateway sees no first token of a non-streamed answer,
+so a lone long non-streamed generation must not look like a hang).
 
 Lifecycle
 ---------
@@ -84,6 +88,7 @@ down are left alone.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from random import Random
@@ -118,9 +123,12 @@ class OutlierConfig:
     # regains weight by this factor per interval without samples, healthy at 1.
     regain_factor: float = 1.25
     consecutive_failures: int = 5
-    failure_ratio: float = 0.5
-    failure_min_requests: int = 10
-    hang_s: float = 30.0
+    failure_ratio: float = 0.25
+    failure_min_requests: int = 20
+    failure_window: int = 6  # intervals
+    # A non-streamed answer gives the core no first token, only its finish:
+    # hang_s must exceed the longest such generation a node may run alone.
+    hang_s: float = 120.0
     base_ejection_s: float = 30.0
     max_ejection_s: float = 300.0
     jitter: float = 0.1
@@ -184,6 +192,7 @@ class NodeHealth:
         "slowness",
         "state_seconds",
         "state_since",
+        "window",
     )
 
     def __init__(self, now: float) -> None:
@@ -191,6 +200,8 @@ class NodeHealth:
         self.decode = _Kind()
         self.requests = 0
         self.failures = 0
+        # (requests, failures) of the last failure_window intervals, current excluded.
+        self.window: deque[tuple[int, int]] = deque()
         self.consecutive_failures = 0
         self.flagged_streak = 0
         self.clean_streak = 0
@@ -239,10 +250,14 @@ class OutlierDetector:
             h.known_state = node.state
         return h
 
+    # Records are created by tick (every node, every tick): the request path
+    # only looks them up, and drops the samples of a node not yet ticked.
+
     def on_prefill(self, node: Node, ttft: float, expected: float, now: float) -> None:
-        h = self._rec(node, now)
-        h.last_progress = now
-        h.prefill.add(ttft, expected)
+        h = self.health.get(node.id)
+        if h is not None:
+            h.last_progress = now
+            h.prefill.add(ttft, expected)
 
     def on_decode(self, node: Node, tpot: float, expected: float) -> None:
         h = self.health.get(node.id)
@@ -250,7 +265,9 @@ class OutlierDetector:
             h.decode.add(tpot, expected)
 
     def on_outcome(self, node: Node, outcome: Outcome, now: float) -> None:
-        h = self._rec(node, now)
+        h = self.health.get(node.id)
+        if h is None:
+            return
         h.last_progress = now
         if outcome is Outcome.OK:
             h.requests += 1
@@ -378,10 +395,16 @@ class OutlierDetector:
             h = self.health[node.id]
             v = verdicts.get(node.id)
             state = node.state
-            if (state.routable and h.requests >= cfg.failure_min_requests
-                    and h.failures >= cfg.failure_ratio * h.requests):
+            h.window.append((h.requests, h.failures))
+            if len(h.window) > cfg.failure_window:
+                h.window.popleft()
+            requests = sum(r for r, _ in h.window)
+            failures = sum(f for _, f in h.window)
+            if (state.routable and requests >= cfg.failure_min_requests
+                    and failures >= cfg.failure_ratio * requests):
+                h.window.clear()
                 self._eject(node, h, now, pools, rng, events,
-                            f"{h.failures} of {h.requests} requests failed")
+                            f"{failures} of {requests} requests failed")
             elif v is not None and state.routable:
                 self._judge(node, h, v, now, pools, rng, events)
             elif state is NodeState.DEGRADED and not (h.prefill.n or h.decode.n):

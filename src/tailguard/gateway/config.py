@@ -52,10 +52,11 @@ from tailguard.core.admission import AdmissionConfig, parse_admission
 from tailguard.core.balancer import PoolConfig
 from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, GPU, Catalog
+from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
-from tailguard.core_options import parse_outliers
+from tailguard.core_options import parse_hedging, parse_outliers
 from tailguard.errors import ConfigError
 from tailguard.remediation.config import RemediationConfig, parse_remediation
 
@@ -70,7 +71,7 @@ FLEET_KEYS = ("listen", "nodes", "pools", "admin", "api_keys", "api_keys_env", "
 NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
              "api_key_env", "faults", "emulator")
 POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries", "limits",
-             "admission")
+             "admission", "hedging")
 
 
 # -- the dataclasses ---------------------------------------------------------------
@@ -120,6 +121,7 @@ class PoolSettings:
     retries: RetrySettings = field(default_factory=RetrySettings)
     limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
     admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
+    hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
 
     def pool_config(self) -> PoolConfig:
         """The decision core's view of this pool."""
@@ -416,7 +418,8 @@ def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATAL
                         parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
                         parse_retries(m.get("retries"), f"{where}.retries"),
                         parse_limits(m.get("limits"), f"{where}.limits"),
-                        parse_admission(m.get("admission"), f"{where}.admission"))
+                        parse_admission(m.get("admission"), f"{where}.admission"),
+                        parse_hedging(m.get("hedging"), f"{where}.hedging"))
 
 
 def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,

@@ -16,9 +16,12 @@ pool its SLO, queue depth and state counts; and the recent events.
 Events come from two places, so that the timeline shows every state change
 whoever made it:
 
-* what :meth:`~tailguard.core.balancer.Balancer.tick` returns (detections,
-  quarantines, probations, remediations), through ``LiveFleet.event_listeners``;
-* a watcher that compares node states every 0.25 s and records changes no
+* the fleet's event log (``GET /admin/events``: what
+  :meth:`~tailguard.core.balancer.Balancer.tick` returned, i.e. detections,
+  quarantines, probations, and the remediation actions with their results,
+  and operator cordons), read every 0.25 s; without one, the balancer's
+  events through ``LiveFleet.event_listeners``;
+* a watcher that compares node states at the same pace and records changes no
   event announced (an operator's drain, a health check marking a node down).
 
 Like ``/metrics``, the dashboard needs no token: it shows node ids, GPU
@@ -58,10 +61,13 @@ class Dashboard:
         self.fleet = fleet
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._states: dict[str, str] = {}
+        self._primed = False  # the first look records states, not changes
+        self._log_seq = 0  # last entry read from the fleet's event log
         self._task: asyncio.Task[None] | None = None
         self._page: bytes | None = None
         self._started = time.time()
-        fleet.event_listeners.append(self.on_event)
+        if getattr(fleet, "event_log", None) is None:
+            fleet.event_listeners.append(self.on_event)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/dashboard", self.page), web.get("/dashboard/state", self.state)]
@@ -86,7 +92,9 @@ class Dashboard:
 
     def _watch(self) -> None:
         nodes = self.fleet.balancer.nodes
-        first = not self._states
+        first = not self._primed
+        self._primed = True
+        self._read_event_log(first)
         for node in list(nodes.values()):
             state = node.state.value
             before = self._states.get(node.id)
@@ -101,6 +109,24 @@ class Dashboard:
             self._add(time.time(), node_id, "removed", "removed", "left the fleet")
 
     # -- events ----------------------------------------------------------------------
+
+    def _read_event_log(self, first: bool) -> None:
+        log = getattr(self.fleet, "event_log", None)
+        if log is None:
+            return
+        for e in log.since(self._log_seq):
+            self._log_seq = e["seq"]
+            node, kind, state = str(e.get("node", "-")), str(e.get("kind", "")), e.get("state")
+            if kind == "state" and isinstance(state, str):
+                self._states[node] = state  # announced: the watcher must not repeat it
+            if first:
+                continue  # history from before the dashboard started
+            if kind == "action":  # a remediation: its action, result and detail
+                state = str(e.get("result", ""))
+                reason = f"{e.get('action', '')} on {e.get('trigger', '')}: {e.get('detail', '')}"
+            else:
+                reason = str(e.get("reason", ""))
+            self._add(float(e.get("time", time.time())), node, kind, str(state or ""), reason)
 
     def on_event(self, ev: Event) -> None:
         """An event from the balancer's tick (its ``t`` is the monotonic clock)."""
@@ -147,6 +173,7 @@ class Dashboard:
                 "nodes": len(pool.nodes),
                 "states": states,
                 "queue_depth": pool_queue_depth(pool),
+                "shed_total": pool_shed_total(pool),
                 "capacity_tokens_per_s": round(sum(
                     capacity_tokens_per_s(fleet, n) for n in pool.nodes if n.state.routable), 1),
             })
@@ -185,13 +212,20 @@ class Dashboard:
             "slo_tpot_s": slo.tpot_s if slo else None,
             "decode_slowdown": round(n.capacity.decode_slowdown, 4),
             "prefill_slowdown": round(n.capacity.prefill_slowdown, 4),
-            "slowness": round(node_slowness(n), 4),
+            "slowness": round(node_slowness(n, self.fleet.balancer), 4),
+            "weight_scale": round(n.weight_scale, 4),
             "capacity_tokens_per_s": round(capacity_tokens_per_s(self.fleet, n), 1),
             "up": mon.up if mon is not None else None,
             "engine_running": n.engine_running if n.engine_running >= 0 else None,
             "engine_waiting": n.engine_waiting if n.engine_waiting >= 0 else None,
             "kv_usage": round(n.engine_kv_usage, 4) if n.engine_kv_usage >= 0 else None,
         }
+
+
+def pool_shed_total(pool: Any) -> int:
+    """Requests the pool's admission queue refused so far (0 without a queue)."""
+    counts = getattr(getattr(pool, "queue", None), "shed_total", None)
+    return sum(counts.values()) if isinstance(counts, dict) else 0
 
 
 def setup_dashboard(app: web.Application, fleet: LiveFleet) -> Dashboard:

@@ -162,14 +162,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "info", fmt: str = "text") -> None:
-    """Root logging for ``tailguard serve``: ``fmt`` is ``text`` or ``json``."""
+    """Root logging for ``tailguard serve``: ``fmt`` is ``text`` or ``json``.
+
+    Like :func:`logging.basicConfig`, it leaves a root logger that already has
+    handlers alone (an embedding program's, or pytest's), setting only the level.
+    """
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, level.upper()))
+    if root.handlers:
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper()))
 
 
 def _iso(created: float) -> str:

@@ -61,6 +61,7 @@ checks that every metric exposed is documented there, and the reverse).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -250,7 +251,7 @@ class FleetCollector:
             in_flight.add_metric(lv, node.in_flight)
             slots.add_metric(lv, node.slots)
             limit.add_metric(lv, node_limit(node))
-            slowness.add_metric(lv, node_slowness(node))
+            slowness.add_metric(lv, node_slowness(node, fleet.balancer))
             decode.add_metric(lv, node.capacity.decode_slowdown)
             prefill.add_metric(lv, node.capacity.prefill_slowdown)
             if node.ttft.count:
@@ -343,11 +344,14 @@ def node_limit(node: Any) -> int:
     return int(node.slots)
 
 
-def node_slowness(node: Any) -> float:
-    """Slowness for the node's own hardware: the outlier detector's ratio when it has one,
-    else the node's decode slowdown over its GPU class's (1 = as fast as its peers)."""
-    ratio = getattr(node, "slowness", None)
-    if isinstance(ratio, (int, float)):
+def node_slowness(node: Any, balancer: Any = None) -> float:
+    """Slowness for the node's own hardware: the outlier detector's calibrated ratio when
+    detection runs (``balancer.outliers``), else the node's decode slowdown over its GPU
+    class's (1 = as fast as its peers)."""
+    det = getattr(balancer, "outliers", None)
+    health = det.health.get(node.id) if det is not None else None
+    ratio = getattr(health, "slowness", None)
+    if isinstance(ratio, (int, float)) and math.isfinite(ratio):
         return float(ratio)
     cls = node.class_decode_slowdown
     return float(node.capacity.decode_slowdown / cls) if cls > 0 else 1.0

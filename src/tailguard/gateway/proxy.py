@@ -54,6 +54,7 @@ from tailguard.core.fleet import Outcome
 from tailguard.gateway.admission_gate import AdmissionGate, shed_response
 from tailguard.gateway.api_errors import NODE_HEADER, error_response, sse_error_event
 from tailguard.gateway.config import NodeConfig, PoolSettings, Timeouts
+from tailguard.gateway.hedge import GatewayHedging, Send
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import REQUEST_ID_HEADER, note, request_id
 from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
@@ -108,6 +109,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
         self.gate = AdmissionGate(fleet, metrics)  # limits and the queue (issue 4)
+        self.hedging = GatewayHedging(fleet, metrics.hedge)  # pools with hedging on
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, CHAT)
@@ -233,6 +235,25 @@ class Proxy:
             ct = self._timeouts[t] = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s)
         return ct
 
+    def _sender(self, endpoint: str, body: bytes, to: Timeouts) -> Send:
+        """POST ``body`` to a node and read the first chunk (for the hedge race)."""
+        session = self.session
+        assert session is not None
+
+        async def send(node: NodeConfig, headers: CIMultiDict[str]
+                       ) -> tuple[aiohttp.ClientResponse, bytes]:
+            resp = await session.post(node.url + PATHS[endpoint], data=body, headers=headers,
+                                      timeout=self._client_timeout(to))
+            try:
+                if resp.status < 300 and resp.content_type == "text/event-stream":
+                    return resp, await resp.content.readany()
+                return resp, await resp.read()
+            except BaseException:
+                resp.close()
+                raise
+
+        return send
+
     # -- one attempt on one node ---------------------------------------------------
 
     async def _attempt(self, request: web.Request, endpoint: str, node: NodeConfig,
@@ -259,15 +280,24 @@ class Proxy:
             payload = b""
             try:
                 async with asyncio.timeout_at(first_deadline):
-                    resp = await self.session.post(node.url + PATHS[endpoint], data=body,
-                                                   headers=headers,
-                                                   timeout=self._client_timeout(to))
-                    streamed = (resp.status < 300
-                                and resp.content_type == "text/event-stream")
-                    if streamed:
-                        payload = await resp.content.readany()
+                    hedger = self.hedging.hedger(req.model) if req.stream else None
+                    if hedger is not None:  # perhaps a duplicate to a second node (hedge.py)
+                        node, ticket, resp, payload = await self.hedging.first_chunk(
+                            hedger, req.model, node, ticket, headers,
+                            self._sender(endpoint, body, to), req.prompt_tokens,
+                            req.max_tokens, _priority(request))
+                        streamed = (resp.status < 300
+                                    and resp.content_type == "text/event-stream")
                     else:
-                        payload = await resp.read()
+                        resp = await self.session.post(node.url + PATHS[endpoint], data=body,
+                                                       headers=headers,
+                                                       timeout=self._client_timeout(to))
+                        streamed = (resp.status < 300
+                                    and resp.content_type == "text/event-stream")
+                        if streamed:
+                            payload = await resp.content.readany()
+                        else:
+                            payload = await resp.read()
             except aiohttp.ConnectionTimeoutError as exc:
                 outcome = Outcome.CONNECT_FAILURE
                 return Failure(outcome, 502, f"cannot connect to node {node.id}: {exc}",

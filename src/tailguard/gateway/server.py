@@ -44,7 +44,8 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
         loop.add_signal_handler(signal.SIGHUP, gw.reloader.trigger)
     nodes = len(config.nodes)
     print(f"tailguard gateway on {gw.url} ({nodes} node{'s' * (nodes != 1)}, models: "
-          f"{', '.join(config.models) or 'none'}); metrics at {gw.url}/metrics",
+          f"{', '.join(config.models) or 'none'}); metrics at {gw.url}/metrics, dashboard at "
+          f"{gw.url}/dashboard",
           file=sys.stderr, flush=True)
     try:
         await stop.wait()

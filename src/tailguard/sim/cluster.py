@@ -27,14 +27,18 @@ from typing import Any
 from tailguard.core.admission import AdmissionConfig, Shed
 from tailguard.core.balancer import Balancer, Event, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
 from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine
+from tailguard.sim.hedge import SimHedges
 from tailguard.sim.scenario import Fault, NodePlan
 
 # Event kinds, in the order they win a tie at the same instant... by sequence.
 _ARRIVE, _SUBMIT, _ENGINE, _FIRST, _FINISH, _FAIL, _FAULT, _TICK = range(8)
+_HEDGE = 8  # a hedge timer (tailguard.sim.hedge)
+_HEDGE_ROUTED = frozenset((_SUBMIT, _FIRST, _FINISH, _FAIL))
 
 # Request status codes in the result arrays.
 OK, FAILED_STATUS, UNFINISHED, SHED = 0, 1, 2, 3
@@ -58,6 +62,8 @@ class RunRecord:
     node_ids: list[str]
     events: list[Event] = field(default_factory=list)
     outliers: dict[str, Any] = field(default_factory=dict)  # detector counts and state times
+    hedges: int = 0  # duplicates sent (tailguard.sim.hedge)
+    hedge_wins: int = 0  # ... whose copy produced the first token first
     retries: int = 0
     end_time: float = 0.0
     # With limits/admission: seconds each request waited in the gateway queue,
@@ -109,6 +115,7 @@ def run_cluster(
     step_by_step: bool = False,
     progress: Callable[[float], None] | None = None,
     outliers: OutlierConfig | None = None,
+    hedging: HedgeConfig | None = None,
     limits: LimitConfig | None = None,
     admission: AdmissionConfig | None = None,
     priorities: Sequence[int] | None = None,
@@ -137,6 +144,7 @@ def run_cluster(
         rec.queue_s = [0.0] * n_req
         rec.priority = prio
     half_rtt = network_rtt_s / 2.0
+    hedges: SimHedges | None = None  # set just before the loop when hedging is on
 
     heap: list[tuple[float, int, int, int, int]] = []
     push = heapq.heappush
@@ -216,6 +224,8 @@ def run_cluster(
 
     def send(rid: int, ticket: Ticket, t: float) -> None:
         nonlocal seq
+        if hedges is not None and attempts[rid] == 1:
+            hedges.on_send(rid, ticket, t)
         tickets[rid] = ticket
         ni = by_id[ticket.node.id]
         rec.node[rid] = ni
@@ -248,7 +258,7 @@ def run_cluster(
     def deliver(t_ev: float, ev_kind: int, rid: int) -> None:
         """Queue an engine event for the gateway, after the network delay back."""
         nonlocal seq
-        ns = nodes[rec.node[rid]]
+        ns = nodes[rec.node[rid] if rid < n_req or hedges is None else hedges.delivery_node(rid)]
         push(heap, (t_ev + half_rtt + ns.delay, seq, _DELIVERY[ev_kind], rid, 2))
         seq += 1
 
@@ -272,10 +282,29 @@ def run_cluster(
 
     on_fail = fail_and_place if limited else fail
 
+    if hedging is not None and hedging.enabled:
+        def post(t: float, k: int, a: int, b: int) -> None:
+            nonlocal seq
+            push(heap, (t, seq, k, a, b))
+            seq += 1
+
+        hedges = SimHedges(hedging, n_req=n_req, balancer=balancer, model=model, rec=rec,
+                           tickets=tickets, nodes=nodes, by_id=by_id, half_rtt=half_rtt,
+                           fault_rng=fault_rng, post=post, reschedule=reschedule,
+                           kinds=(_HEDGE, _SUBMIT, _FIRST, _FINISH, _FAIL),
+                           status_unfinished=UNFINISHED)
+        fault_fail = hedges.wrap_fail(on_fail)
+    else:
+        fault_fail = on_fail
+
     while heap:
         now, _, kind, a, b = pop(heap)
         if now > horizon_s:
             break
+        if hedges is not None and kind in _HEDGE_ROUTED:
+            a = hedges.route(kind, a, b, now)  # which copy of a hedged request, if any
+            if a < 0:
+                continue
         if kind == _ENGINE:
             ns = nodes[a]
             if b != ns.version:
@@ -321,8 +350,12 @@ def run_cluster(
         elif kind == _FAIL:
             on_fail(a, now, Outcome.CONNECT_FAILURE if b == 0 else Outcome.UPSTREAM_5XX)
         elif kind == _FAULT:
-            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, on_fail, deliver)
+            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, fault_fail,
+                         deliver)
             reschedule(nodes[by_id[faults[a].node]])
+        elif kind == _HEDGE:
+            if hedges is not None:
+                hedges.fire(a, now)
         else:  # _TICK
             rec.events.extend(balancer.tick(now))
             if limited:
@@ -332,6 +365,8 @@ def run_cluster(
                 seq += 1
     rec.end_time = now
     rec.limits = {n.id: n.limiter.limit for n in balancer.nodes.values() if n.limiter is not None}
+    if hedges is not None:
+        rec.hedges, rec.hedge_wins = hedges.hedger.hedges, hedges.hedger.wins
     det = balancer.outliers
     if det is not None:
         rec.outliers = {"detected": det.detected_ejections, "enforced": det.enforced_ejections,

@@ -89,7 +89,7 @@ def run_policy(
         plans, scn.model, reqs.arrival_s, reqs.input_tokens, reqs.output_tokens,
         policy=choice.name, policy_options=dict(choice.options), slo=scn.slo, seed=scn.seed,
         network_rtt_s=scn.network_rtt_s, faults=scn.faults, horizon_s=horizon, progress=cb,
-        outliers=scn.outliers, limits=planned_limits(scn, reqs), admission=scn.admission,
+        outliers=scn.outliers, hedging=scn.hedging, limits=planned_limits(scn, reqs), admission=scn.admission,
         priorities=draw_priorities(wl.priorities, len(reqs), scn.seed),
     )
     if records is not None:  # the per-request arrays, for reports (sim/report.py)
@@ -106,6 +106,10 @@ def run_policy(
         res["outliers"] = outlier_report(rec.events, scn.faults, rec.end_time,
                                          rec.outliers["time_in_states"],
                                          rec.outliers["detected"], rec.outliers["enforced"])
+    res["hedges"] = rec.hedges
+    if scn.hedging.enabled:  # the share is over every request of the run, warm-up included
+        res["hedge_wins"] = rec.hedge_wins
+        res["hedge_share"] = round(rec.hedges / max(1, len(rec.arrival)), 6)
     return res
 
 

@@ -30,10 +30,11 @@ from typing import Any
 from tailguard.config_file import check_keys, read_yaml, require_mapping
 from tailguard.core.admission import AdmissionConfig, parse_admission
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfModel
+from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo, policy_names
-from tailguard.core_options import parse_outliers
+from tailguard.core_options import parse_hedging, parse_outliers
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
@@ -102,6 +103,7 @@ class Scenario:
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # straggler detection
     limits: LimitConfig | None = None  # per-node concurrency limits (None: none)
     admission: AdmissionConfig | None = None  # the gateway queue (None: none)
+    hedging: HedgeConfig = field(default_factory=HedgeConfig)  # hedged requests (off)
 
     def nodes(self) -> list[NodePlan]:
         """The fleet expanded to nodes with ids ``GPU#i``; speeds drawn from the seed."""
@@ -246,7 +248,7 @@ def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tu
     return tuple(out)
 
 
-SCENARIO_KEYS = ("limits", "admission", "outliers", "name", "seed", "model", "slo", "network_rtt_s", "fleet", "workload", "faults",
+SCENARIO_KEYS = ("limits", "admission", "outliers", "hedging", "name", "seed", "model", "slo", "network_rtt_s", "fleet", "workload", "faults",
                  "policies", "catalog", "prices")
 
 
@@ -302,7 +304,8 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     return Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, faults,
                     scenario.policies, catalog, parse_outliers(m.get("outliers")),
                     limits=parse_limits(m.get("limits")),
-                    admission=parse_admission(m.get("admission")))
+                    admission=parse_admission(m.get("admission")),
+                    hedging=parse_hedging(m.get("hedging")))
 
 
 def load_scenario(path: str | Path) -> Scenario:

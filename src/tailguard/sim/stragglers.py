@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rich.table import Table
+
 from tailguard.core.events import Event
 
 # A detection within this long after a fault ended still counts as the fault's.
@@ -47,3 +49,31 @@ def outlier_report(events: Sequence[Event], faults: Sequence[Any], end_s: float,
         "enforced_ejections": enforced,
         "time_in_state_s": {k: v for k, v in unhealthy.items() if v},
     }
+
+
+def straggler_table(doc: Mapping[str, Any]) -> Table | None:
+    """The ``tailguard sim`` summary of detection and hedging (None when nothing happened)."""
+    rows = []
+    for label, r in doc["results"].items():
+        rep = r.get("outliers")
+        if not r.get("events") and not r.get("hedges") and not (rep and rep["time_to_detect"]):
+            continue
+        detect = "-"
+        if rep:
+            detect = ", ".join(
+                f"{d['node']} {d['kind']}: {d['detected_s']:g} s ({d['state']})"
+                if d["detected_s"] is not None else f"{d['node']} {d['kind']}: not detected"
+                for d in rep["time_to_detect"]) or "-"
+        states = [e["state"] for e in r.get("events", [])]
+        rows.append((label, str(states.count("degraded")), str(states.count("quarantined")),
+                     str(rep["false_detections"]) if rep else "-", detect,
+                     str(r.get("hedges", 0))))
+    if not rows:
+        return None
+    table = Table(title="stragglers: detection, quarantine, hedging")
+    for col in ("policy", "degraded", "quarantined", "false detections", "time to detect",
+                "hedges"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    return table

@@ -1,0 +1,39 @@
+"""The hedging decision: delay from the class's recent TTFT quantile, budget, silence."""
+
+from __future__ import annotations
+
+from tailguard.core.hedging import HedgeConfig, Hedger
+
+
+def test_delay_is_the_class_quantile_once_known() -> None:
+    h = Hedger(HedgeConfig(enabled=True, min_samples=20, window=100))
+    assert h.hedge_after("A100") is None
+    for i in range(100):
+        h.on_ttft("A100", 0.01 * (i + 1))  # 0.01 .. 1.00
+    assert h.hedge_after("A100") == 0.96  # p95 of 100 samples: the 96th
+    assert h.hedge_after("L4") is None  # per class
+    assert Hedger(HedgeConfig(after_s=0.3)).hedge_after("L4") == 0.3
+
+
+def test_budget_caps_hedges_at_the_share_of_requests() -> None:
+    h = Hedger(HedgeConfig(enabled=True, budget=0.05, burst=3.0))
+    sent = 0
+    for _ in range(1000):
+        h.on_request()
+        if h.try_hedge():
+            sent += 1
+    assert sent == 51  # one hedge of starting credit, then 5% of 1000 requests
+    h2 = Hedger(HedgeConfig(enabled=True, budget=0.05, burst=3.0))
+    for _ in range(1000):
+        h2.on_request()
+    # Saved credit is capped: a burst of at most three hedges.
+    assert [h2.try_hedge() for _ in range(4)] == [True, True, True, False]
+
+
+def test_silence_of_the_node() -> None:
+    h = Hedger(HedgeConfig(enabled=True))
+    assert h.silent("n1", 10.0, 0.5)  # never heard of: silent
+    h.on_progress("n1", 9.8)
+    assert not h.silent("n1", 10.0, 0.5)
+    assert h.silent("n1", 10.3, 0.5)
+    assert Hedger(HedgeConfig(require_silence=False)).silent("n1", 0.0, 1.0)

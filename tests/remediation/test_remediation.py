@@ -1,0 +1,186 @@
+"""Remediation rules: parsing, triggers, cooldown, rate limit, dry run, the actions."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tailguard.core.events import Event
+from tailguard.errors import ConfigError
+from tailguard.gateway.config import parse_fleet
+from tailguard.gateway.event_log import EventLog
+from tailguard.remediation import Remediator, parse_remediation
+from tailguard.remediation.actions import delete_pod, run_command
+
+
+class FakeFleet:
+    """What the remediator reads of the live fleet: config and node configs."""
+
+    def __init__(self, remediation: dict[str, Any]) -> None:
+        self.config = parse_fleet({
+            "nodes": [{"id": "n1", "url": "http://127.0.0.1:9", "gpu": "L4", "models": ["m"],
+                       "labels": {"pod": "vllm-1", "namespace": "inf"}}],
+            "remediation": remediation})
+        self.nodes = {n.id: n for n in self.config.nodes}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(remediation: dict[str, Any]) -> tuple[Remediator, EventLog, Clock, list[tuple[str, str]]]:
+    log = EventLog()
+    clock = Clock()
+    results: list[tuple[str, str]] = []
+    rem = Remediator(FakeFleet(remediation), log,  # type: ignore[arg-type]
+                     lambda a, r: results.append((a, r)), clock)
+    return rem, log, clock, results
+
+
+def quarantined(t: float = 0.0) -> Event:
+    return Event(t, "n1", "state", "quarantined", "5 consecutive failures")
+
+
+def actions(log: EventLog) -> list[tuple[str, str]]:
+    return [(e["trigger"], e["result"]) for e in log.since() if e["kind"] == "action"]
+
+
+def test_parse_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"remediation.rules\[0\].on"):
+        parse_remediation({"rules": [{"on": "sad", "command": ["x"]}]})
+    with pytest.raises(ConfigError, match="exactly one action"):
+        parse_remediation({"rules": [{"on": "quarantined"}]})
+    with pytest.raises(ConfigError, match="command"):
+        parse_remediation({"rules": [{"on": "quarantined", "command": "rm -rf /"}]})
+    with pytest.raises(ConfigError, match=r"webhook\.url"):
+        parse_remediation({"rules": [{"on": "recovered", "webhook": {"url": "ftp://x"}}]})
+    with pytest.raises(ConfigError, match="max_actions_per_hour"):
+        parse_remediation({"max_actions_per_hour": 0})
+    cfg = parse_remediation({"dry_run": True, "rules": [
+        {"on": "quarantined_repeatedly", "times": 2, "window_s": 60,
+         "kubernetes": {"namespace": "x"}}]})
+    assert cfg.dry_run and cfg.rules[0].action == "kubernetes" and cfg.rules[0].times == 2
+
+
+def test_dry_run_cooldown_repeatedly_and_recovered() -> None:
+    async def body() -> None:
+        rem, log, clock, results = make({"dry_run": True, "cooldown_s": 100, "rules": [
+            {"on": "quarantined", "command": ["/bin/true"]},
+            {"on": "quarantined_repeatedly", "times": 2, "window_s": 300,
+             "kubernetes": {}},
+            {"on": "recovered", "webhook": {"url": "http://127.0.0.1:9/hook"}}]})
+        rem.on_event(quarantined())
+        assert actions(log) == [("quarantined", "dry_run")]
+        assert "would run /bin/true" in log.since()[-1]["detail"]
+        clock.t += 50
+        rem.on_event(quarantined())  # second within the window: repeatedly fires too
+        assert actions(log)[1:] == [("quarantined", "cooldown"),
+                                    ("quarantined_repeatedly", "dry_run")]
+        assert "would delete pod inf/vllm-1" in log.since()[-1]["detail"]
+        rem.on_event(Event(0.0, "n1", "state", "probation", "backoff over"))
+        rem.on_event(Event(0.0, "n1", "state", "healthy", "probation passed"))
+        assert actions(log)[-1] == ("recovered", "dry_run")
+        rem.on_event(Event(0.0, "n1", "state", "healthy", "again"))  # no quarantine since
+        assert len(actions(log)) == 4
+        assert results.count(("command", "dry_run")) == 1
+
+    asyncio.run(body())
+
+
+def test_global_rate_limit() -> None:
+    async def body() -> None:
+        rem, log, clock, _ = make({"dry_run": True, "cooldown_s": 0, "max_actions_per_hour": 2,
+                                   "rules": [{"on": "quarantined", "command": ["/bin/true"]}]})
+        for _ in range(3):
+            rem.on_event(quarantined())
+            clock.t += 10
+        assert [r for _, r in actions(log)] == ["dry_run", "dry_run", "rate_limited"]
+        clock.t += 3600
+        rem.on_event(quarantined())
+        assert actions(log)[-1][1] == "dry_run"
+
+    asyncio.run(body())
+
+
+def test_command_gets_the_node_in_its_environment(tmp_path: Path) -> None:
+    out = tmp_path / "env.json"
+    script = ("import json, os, sys; json.dump({k: v for k, v in os.environ.items() "
+              "if k.startswith('TAILGUARD_')}, open(sys.argv[1], 'w'))")
+
+    async def body() -> None:
+        rem, _, _, results = make({"rules": [
+            {"on": "quarantined", "command": [sys.executable, "-c", script, str(out)]}]})
+        rem.on_event(quarantined())
+        await rem.stop()
+        assert results == [("command", "ok")]
+
+    asyncio.run(body())
+    env = json.loads(out.read_text())
+    assert env == {"TAILGUARD_NODE_ID": "n1", "TAILGUARD_NODE_URL": "http://127.0.0.1:9",
+                   "TAILGUARD_NODE_GPU": "L4", "TAILGUARD_NODE_REASON": "5 consecutive failures",
+                   "TAILGUARD_TRIGGER": "quarantined"}
+
+
+def test_command_failure_and_timeout_are_recorded() -> None:
+    async def body() -> None:
+        ok, detail = await run_command((sys.executable, "-c", "import sys; sys.exit(3)"), {}, 5)
+        assert not ok and detail.startswith("exit 3")
+        ok, detail = await run_command((sys.executable, "-c", "import time; time.sleep(5)"),
+                                       {}, 0.3)
+        assert not ok and "timed out" in detail
+        ok, detail = await run_command(("/nonexistent/tool",), {}, 1)
+        assert not ok and "cannot start" in detail
+
+    asyncio.run(body())
+
+
+def test_webhook_posts_json() -> None:
+    got: list[dict[str, Any]] = []
+
+    async def hook(request: web.Request) -> web.Response:
+        got.append({"body": await request.json(), "token": request.headers.get("X-Token")})
+        return web.Response(text="ok")
+
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_post("/hook", hook)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            rem, _, _, results = make({"rules": [
+                {"on": "quarantined", "webhook": {"url": f"http://127.0.0.1:{port}/hook",
+                                                  "headers": {"X-Token": "t"}}}]})
+            async with aiohttp.ClientSession() as s:
+                rem.session = s
+                rem.on_event(quarantined())
+                await rem.stop()
+            assert results == [("webhook", "ok")]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(body())
+    assert got == [{"body": {"node_id": "n1", "node_url": "http://127.0.0.1:9", "node_gpu": "L4",
+                             "node_reason": "5 consecutive failures",
+                             "trigger": "quarantined"}, "token": "t"}]
+
+
+def test_kubernetes_without_the_package_fails_cleanly() -> None:
+    if importlib.util.find_spec("kubernetes") is not None:
+        pytest.skip("the kubernetes package is installed; this checks its absence")
+    ok, detail = asyncio.run(delete_pod("inf", "vllm-1", 5))
+    assert not ok and "not installed" in detail
