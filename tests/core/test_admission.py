@@ -217,3 +217,25 @@ def test_a_long_prompt_backlog_holds_requests_in_the_queue() -> None:
     assert isinstance(decisions[0][1], Shed)  # ... unless its deadline has passed
     again = b.admit(MODEL, 1000, 2.1, ttft_s=1.0)
     assert isinstance(again, Ticket)
+
+
+def test_reload_keeps_queued_requests_and_in_flight_permits() -> None:
+    b = _balancer()
+    running = b.admit(MODEL, 100, 0.0)
+    waiting = b.admit(MODEL, 100, 0.0)
+    assert isinstance(running, Ticket) and isinstance(waiting, Waiter)
+    b.replace_pool(PoolConfig(MODEL, "least_request", slo=Slo(2.0, 0.1),
+                              limits=LimitConfig(kind="fixed", initial=2),
+                              admission=AdmissionConfig(queue_max=16)))
+    limiter = b.nodes["a"].limiter
+    assert limiter is not None and limiter.limit == 2 and limiter.inflight == 1
+    decisions = b.poll_queue(0.1)
+    assert len(decisions) == 1 and decisions[0][0] is waiting
+    assert isinstance(decisions[0][1], Ticket)
+    third = b.admit(MODEL, 100, 0.2)
+    assert isinstance(third, Waiter)
+    b.replace_pool(PoolConfig(MODEL, "least_request"))  # limits and queue removed
+    assert b.nodes["a"].limiter is None
+    shed = b.poll_queue(0.3)
+    assert [(w, isinstance(d, Shed)) for w, d in shed] == [(third, True)]
+    assert isinstance(b.admit(MODEL, 100, 0.4), Ticket)

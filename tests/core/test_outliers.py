@@ -265,3 +265,18 @@ def test_detection_off() -> None:
     assert t is not None
     b.on_finish(t, 0.1, Outcome.UPSTREAM_5XX, 0)
     assert b.tick(1.0) == []
+
+
+def test_class_speed_is_its_healthy_nodes() -> None:
+    specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu("A100"), "A100-80GB", models=(MODEL,))
+             for i in range(3)]
+    b = Balancer(specs, [PoolConfig(MODEL)], random.Random(0))
+    for n, ratio in zip(b.nodes.values(), (1.0, 1.0, 8.0), strict=True):
+        n.capacity.decode.log_ratio = math.log(ratio)
+    b.tick(0.0)
+    assert b.nodes["n0"].class_decode_slowdown == pytest.approx(2.0)  # 8 ** (1/3)
+    b.set_state("n2", NodeState.DEGRADED)
+    b.tick(1.0)
+    # The degraded straggler is priced by its weight, not through its peers.
+    assert b.nodes["n0"].class_decode_slowdown == pytest.approx(1.0)
+    assert b.nodes["n2"].class_decode_slowdown == pytest.approx(1.0)

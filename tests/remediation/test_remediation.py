@@ -184,3 +184,18 @@ def test_kubernetes_without_the_package_fails_cleanly() -> None:
         pytest.skip("the kubernetes package is installed; this checks its absence")
     ok, detail = asyncio.run(delete_pod("inf", "vllm-1", 5))
     assert not ok and "not installed" in detail
+
+
+def test_fleet_file_keys_of_the_straggler_work() -> None:
+    base: dict[str, Any] = {"nodes": [{"id": "n", "url": "http://127.0.0.1:9", "gpu": "L4",
+                                       "models": ["m"]}]}
+    cfg = parse_fleet({**base, "outliers": {"slow_ratio": 2, "enabled": True},
+                       "pools": {"m": {"hedging": {"enabled": True, "after_s": 0.5}}}})
+    assert cfg.outliers.slow_ratio == 2.0 and cfg.pool("m").hedging.after_s == 0.5
+    assert not cfg.pool("other").hedging.enabled and not cfg.remediation.rules
+    with pytest.raises(ConfigError, match=r"outliers\.slow_ratio"):
+        parse_fleet({**base, "outliers": {"slow_ratio": "fast"}})
+    with pytest.raises(ConfigError, match=r"pools\.m\.hedging\.quantile"):
+        parse_fleet({**base, "pools": {"m": {"hedging": {"quantile": 2}}}})
+    with pytest.raises(ConfigError, match=r"remediation\.rules\[0\]"):
+        parse_fleet({**base, "remediation": {"rules": [{"on": "quarantined"}]}})

@@ -196,9 +196,10 @@ class AdmissionQueue:
         cfg = self.config
         # With nothing queued the request is next: it waits for one release,
         # which the deadline check at dispatch covers.
-        # Before any release there is no drain rate to predict from.
-        if (cfg.shed_on_predicted_wait and w.deadline < math.inf and self.length
-                and self._rate > 0.0
+        # Before any release there is no drain rate to predict from. With an
+        # empty queue the wait is one release, unless higher priorities take
+        # every release (then it is infinite: shed now, not at the deadline).
+        if (cfg.shed_on_predicted_wait and w.deadline < math.inf and self._rate > 0.0
                 and now + self.predicted_wait(w.priority, now) > self.latest_start(w)):
             return self._shed("deadline", now), []
         displaced: list[Waiter] = []
