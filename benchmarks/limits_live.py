@@ -122,7 +122,9 @@ async def one_run(limited: bool, rate: float, duration: float) -> dict[str, Any]
             res["goodput_rps"] += r["goodput_rps"]
             res["rejected"] += r["rejected"]
             res["per_priority"][label] = {"requests": r["requests"], "rejected": r["rejected"],
-                                          "slo_attainment": r["slo_attainment"]}
+                                          "slo_attainment": r["slo_attainment"],
+                                          "ttft_p99_s": r["ttft_s"]["p99"],
+                                          "tpot_p99_s": r["tpot_s"]["p99"]}
             for node, info in r["per_node"].items():
                 g = gpu_of.get(node)
                 if g is not None and info["completed"]:

@@ -280,3 +280,21 @@ def test_class_speed_is_its_healthy_nodes() -> None:
     # The degraded straggler is priced by its weight, not through its peers.
     assert b.nodes["n0"].class_decode_slowdown == pytest.approx(1.0)
     assert b.nodes["n2"].class_decode_slowdown == pytest.approx(1.0)
+
+
+def test_probation_gets_its_canary_share() -> None:
+    specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu("A100"), "A100-80GB", models=(MODEL,))
+             for i in range(4)]
+    b = Balancer(specs, [PoolConfig(MODEL)], random.Random(0))
+    b.tick(0.0)
+    b.set_state("n3", NodeState.PROBATION)
+    b.tick(1.0)  # the detector notices; the weight starts at the canary weight
+    assert b.nodes["n3"].weight_scale == pytest.approx(0.1, abs=0.01)
+    hits = 0
+    for i in range(2000):
+        t = b.pick(MODEL, 100, 1.0 + i * 1e-4)
+        assert t is not None
+        hits += t.node_id == "n3"
+        b.on_finish(t, 1.0 + i * 1e-4, Outcome.CLIENT_CANCELLED, 0)
+    # The tailguard policy alone would never pick a node at a tenth of the weight.
+    assert 20 <= hits <= 70

@@ -273,7 +273,11 @@ class Balancer:
             return None
         req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
                           priority)
-        node_id = pool.policy.choose(nodes, req, now, self.rng)
+        node_id = None
+        if self.outliers is not None and self.outliers.on_probation:
+            node_id = self.outliers.canary(nodes, self.rng)  # a canary request
+        if node_id is None:
+            node_id = pool.policy.choose(nodes, req, now, self.rng)
         if node_id is not None:
             self._ticket_seq += 1
         if self.recorder is not None:

@@ -73,7 +73,9 @@ Lifecycle
   ``1 +- jitter`` from the injected rng (Envoy multiplies linearly; the issue
   asks for exponential), it goes on probation.
 * **probation**: ``weight_scale`` ramps from ``canary_weight`` to 1 over
-  ``slow_start_s`` (Envoy's slow start); a failure trigger or a flagged
+  ``slow_start_s`` (Envoy's slow start), and the balancer sends the node
+  ``canary_share`` (2%) of the pool's requests whatever the policy prefers,
+  so that probation has samples to judge; a failure trigger or a flagged
   interval at ``quarantine_ratio`` sends it back, ``n + 1`` (a milder flag
   degrades it); ``slow_start_s`` without either makes it healthy.
 
@@ -133,6 +135,10 @@ class OutlierConfig:
     max_ejection_s: float = 300.0
     jitter: float = 0.1
     canary_weight: float = 0.1
+    # Share of a pool's requests sent to each node on probation whatever the
+    # policy says: a policy that prices the canary weight strictly would send it
+    # nothing at light load, and probation would then test nothing.
+    canary_share: float = 0.02
     slow_start_s: float = 30.0
     max_ejection_share: float = 0.34
     min_weight: float = 0.05
@@ -240,6 +246,7 @@ class OutlierDetector:
         self.enforced_ejections = 0
         self._next_eval = -1.0
         self._nominal: dict[str, float] = {}
+        self.on_probation = 0  # nodes on probation now: the request path checks it first
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
@@ -278,7 +285,9 @@ class OutlierDetector:
             h.consecutive_failures += 1
 
     def forget(self, node_id: str) -> None:
-        self.health.pop(node_id, None)
+        h = self.health.pop(node_id, None)
+        if h is not None and h.known_state is NodeState.PROBATION:
+            self.on_probation -= 1
         self._nominal.pop(node_id, None)
 
     # -- periodic work -----------------------------------------------------------
@@ -313,6 +322,11 @@ class OutlierDetector:
         """Account time per state, and notice changes made outside the detector."""
         if node.state is not h.known_state:
             self._account(h, now)
+            if h.known_state is NodeState.PROBATION:
+                self.on_probation -= 1
+            if node.state is NodeState.PROBATION:
+                self.on_probation += 1
+                h.probation_since = now
             if node.state is NodeState.HEALTHY:
                 # An operator (uncordon/resume) or the health checks put it back.
                 node.weight_scale = 1.0
@@ -463,9 +477,21 @@ class OutlierDetector:
 
     # -- transitions -------------------------------------------------------------
 
+    def canary(self, nodes: Sequence[Node], rng: Random) -> str | None:
+        """A probation node for this request (``canary_share`` each), or None: the policy's."""
+        share = self.config.canary_share
+        for node in nodes:
+            if node.state is NodeState.PROBATION and rng.random() < share:
+                return node.id
+        return None
+
     def _set(self, node: Node, h: NodeHealth, state: NodeState, now: float,
              pools: list[PoolView], events: list[Event], reason: str) -> None:
         self._account(h, now)
+        if node.state is NodeState.PROBATION:
+            self.on_probation -= 1
+        if state is NodeState.PROBATION:
+            self.on_probation += 1
         node.state = state
         h.known_state = state
         if state is NodeState.HEALTHY:

@@ -124,7 +124,9 @@ class GatewayHedging:
             return node, ticket, resp, payload
         for c in copies:
             if c is not winner:
-                self._drop(c, Outcome.CLIENT_CANCELLED)
+                # Running (or answered in the same instant): it lost; failed: its failure.
+                lost = not c.task.done() or _good(c)
+                self._drop(c, Outcome.CLIENT_CANCELLED if lost else _failure_origin(c))
                 self.on_result(model, "lost" if c is not primary else "won")
         resp, payload = winner.task.result()
         if len(copies) > 1 and winner is not primary:

@@ -66,7 +66,7 @@ async def delete_pod(namespace: str, pod: str, timeout_s: float) -> tuple[bool, 
         detail = await asyncio.wait_for(asyncio.to_thread(_delete_pod_sync, namespace, pod),
                                         timeout_s)
     except ImportError:
-        return False, "the kubernetes package is not installed (pip install kubernetes)"
+        return False, "the kubernetes package is not installed (pip install 'tailguard[kubernetes]')"
     except TimeoutError:
         return False, f"timed out after {timeout_s:g} s"
     except Exception as exc:  # the client raises ApiException, config errors, ...
