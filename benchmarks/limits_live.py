@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -82,13 +83,15 @@ async def probe_429(url: str, n: int) -> list[float]:
     return out
 
 
-async def one_run(limited: bool, rate: float, duration: float) -> dict[str, Any]:
+async def one_run(limited: bool, rate: float, duration: float,
+                  limit_opts: dict[str, Any]) -> dict[str, Any]:
     emulated = nodes()
     async with run_emulator(emulated, host="127.0.0.1") as emu:
         pool: dict[str, Any] = {"policy": "tailguard",
                                 "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}}
         if limited:
-            pool["limits"] = {"kind": "gradient", "input_tokens": 700, "output_tokens": 56}
+            pool["limits"] = {"kind": "gradient", "input_tokens": 700, "output_tokens": 56,
+                              **limit_opts}
             pool["admission"] = {"queue_max": 256}
         fleet = parse_fleet({
             "listen": "127.0.0.1:0",
@@ -133,13 +136,14 @@ async def one_run(limited: bool, rate: float, duration: float) -> dict[str, Any]
     return res
 
 
-async def main_async(load: float, duration: float) -> None:
+async def main_async(load: float, duration: float, limit_opts: dict[str, Any],
+                     baseline: bool) -> None:
     bound = capacity_bound()
     rate = load * bound
     print(f"fleet {FLEET}, capacity bound {bound:.1f} req/s, offering {rate:.1f} req/s "
           f"({load:.2f}) for {duration:.0f} s", flush=True)
-    for limited in (False, True):
-        r = await one_run(limited, rate, duration)
+    for limited in (False, True) if baseline else (True,):
+        r = await one_run(limited, rate, duration, limit_opts)
         lat = sorted(r["probe_429_s"])
         lat_s = (f"; 429 latency max {lat[-1] * 1000:.1f} ms over {len(lat)} probes"
                  if lat else "")
@@ -155,8 +159,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--load", type=float, default=1.3)
     ap.add_argument("--duration", type=float, default=40.0)
+    ap.add_argument("--limit-opts", default="{}", help="extra limits keys as JSON")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the run without limits")
     args = ap.parse_args()
-    asyncio.run(main_async(args.load, args.duration))
+    asyncio.run(main_async(args.load, args.duration, json.loads(args.limit_opts),
+                           not args.no_baseline))
 
 
 if __name__ == "__main__":

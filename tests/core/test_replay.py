@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import Any
@@ -9,19 +10,20 @@ from typing import Any
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
 from tailguard.core.replay import replay
 
 MODEL = "llama-3.1-8b"
 
 
-def drive(policy: str, seed: int) -> list[dict[str, Any]]:
+def drive(policy: str, seed: int, outliers: OutlierConfig | None = None) -> list[dict[str, Any]]:
     log: list[dict[str, Any]] = []
     specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(g), DEFAULT_CATALOG.gpu(g).name,
                       models=(MODEL,), labels={"zone": "a"})
              for i, g in enumerate(["H100", "A100", "L4", "A100"])]
     b = Balancer(specs, [PoolConfig(MODEL, policy, {}, Slo(1.5, 0.08))],
-                 random.Random(seed), recorder=log.append)
+                 random.Random(seed), recorder=log.append, outliers=outliers)
     rng = random.Random(seed + 1)
     open_tickets = []
     now = 0.0
@@ -64,3 +66,11 @@ def test_replay_reports_a_changed_decision() -> None:
     assert len(res.differences) == 1
     assert res.differences[0]["record"] == picks[10]
     assert res.differences[0]["recorded"] == "nowhere"
+
+
+def test_replay_uses_the_recorded_detector_settings() -> None:
+    cfg = dataclasses.replace(OutlierConfig(), interval_s=1.0, consecutive_intervals=1)
+    log = drive("tailguard", seed=11, outliers=cfg)
+    assert log[0]["outliers"]["interval_s"] == 1.0
+    assert any(r["op"] == "events" for r in log)  # the detector acted during the run
+    assert replay(log).differences == []

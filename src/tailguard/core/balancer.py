@@ -154,7 +154,7 @@ class Balancer:
         # event-loop driver wake its queued requests without polling.
         self.on_queue_decision: Callable[[], None] | None = None
         if recorder is not None:
-            recorder(record_init(rng, perf_params))
+            recorder(record_init(rng, perf_params, cfg))
         for pc in pools:
             self.add_pool(pc)
         for spec in nodes:

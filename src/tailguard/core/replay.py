@@ -17,6 +17,7 @@ from typing import Any
 from tailguard.core.balancer import Balancer, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
+from tailguard.core.outliers import OutlierConfig
 from tailguard.core.record import event_to_dict, from_jsonable, rng_from_init
 
 
@@ -50,8 +51,11 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
             continue
         settle([])
         if op == "init":
+            outliers = rec.get("outliers")
             balancer = Balancer([], [], rng_from_init(rec), catalog,
-                                from_jsonable(PerfParams, rec["perf_params"]))
+                                from_jsonable(PerfParams, rec["perf_params"]),
+                                outliers=from_jsonable(OutlierConfig, outliers)
+                                if outliers is not None else None)
             tickets.clear()
             continue
         if balancer is None:
