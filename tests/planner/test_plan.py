@@ -49,3 +49,7 @@ def test_cli_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert [g["gpu"] for g in doc["groups"]] == ["H100-SXM", "L4", "T4"]
     assert main([*base]) == 0
     assert "gateway initial limit" in capsys.readouterr().out
+    assert main([*base, "--model", "llama-3.1-70b", "--tp", "1,4"]) == 0
+    out = capsys.readouterr().out
+    assert "H100-SXM x1 (1 node): llama-3.1-70b does not fit" in out
+    assert "H100-SXM x4 (1 node): KV" in out

@@ -42,7 +42,9 @@ def test_overload_with_limits_sheds_and_protects_high_priority() -> None:
     assert lim["goodput_rps"] > 1.5 * base["goodput_rps"]
     assert set(lim["limits"]) == {"A100-80GB", "L4"}
     assert lim["limits"]["L4"]["max"] < lim["limits"]["A100-80GB"]["min"]
+    assert all(g["tpot_p99_s"] <= 1.1 * 0.1 for g in lim["per_gpu"].values())
     pri = lim["per_priority"]
+    assert pri["high"]["slo_attainment"] >= 0.99 and pri["high"]["shed"] == 0
     assert pri["high"]["slo_attainment"] > pri["low"]["slo_attainment"]
     assert pri["low"]["shed"] > pri["high"]["shed"]
     assert run(raw(True)) == lim  # deterministic
@@ -57,3 +59,10 @@ def test_scenario_keys_are_validated() -> None:
     doc["workload"]["priorities"] = {"urgent": 1.0}
     with pytest.raises(ConfigError, match=r"priorities"):
         parse_scenario(doc)
+
+
+def test_normal_load_limits_cost_at_most_3_percent() -> None:
+    base = run(raw(False, load=0.8))
+    lim = run(raw(True, load=0.8))
+    assert lim["goodput_rps"] >= 0.97 * base["goodput_rps"]
+    assert lim["shed"] == 0

@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="typical prompt length (default: Azure conversation mean, 1155)")
     p.add_argument("--output-tokens", type=float, default=211.0,
                    help="typical answer length (default: Azure conversation mean, 211)")
+    p.add_argument("--tp", help="TP degrees to plan each GPU type at, e.g. 1,2,4 (default: "
+                                "the fleet's own), each with the type's node count; shares are then "
+                                "over all the listed options")
     p.add_argument("--format", choices=["table", "json", "vllm", "sglang"], default="table")
     p.set_defaults(func=cmd_plan)
 
@@ -47,6 +50,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
         counts[(n.gpu_spec.name, n.tp)] += 1
         gpus[n.gpu_spec.name] = n.gpu_spec
+    if args.tp:
+        try:
+            degrees = sorted({int(x) for x in args.tp.split(",") if x.strip()})
+        except ValueError:
+            raise ConfigError("--tp", f"must be integers like 1,2,4, got {args.tp!r}") from None
+        if not degrees or degrees[0] < 1:
+            raise ConfigError("--tp", "must be integers >= 1")
+        per_gpu: Counter[str] = Counter()
+        for (g, _tp), c in counts.items():
+            per_gpu[g] += c
+        counts = Counter({(g, tp): c for g, c in per_gpu.items() for tp in degrees})
     groups = [(gpus[g], tp, c) for (g, tp), c in sorted(counts.items())]
     plans = plan_groups(groups, model, args.slo_tpot, args.input_tokens, args.output_tokens)
     if args.format == "json":

@@ -335,6 +335,8 @@ def run_cluster(
             if ticket is not None and not ticket.released and first[a] < 0.0:
                 first[a] = now
                 balancer.on_first_token(ticket, now)
+                if limited:  # a shorter prompt backlog may have let a waiter go
+                    place_queued(now)
         elif kind == _FINISH:
             ticket = tickets[a]
             if ticket is not None and not ticket.released:
