@@ -34,6 +34,9 @@ def _sim_table(doc: dict[str, Any]) -> Table:
                 "TPOT p99", "E2E p99", "SLO att.", "goodput/s"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     has_goodput = any("max_goodput_rps" in r for r in doc["results"].values())
+    has_shed = any("shed" in r for r in doc["results"].values())
+    if has_shed:
+        table.add_column("shed (429)", justify="right")
     if has_goodput:
         table.add_column("max goodput/s", justify="right")
     for name, r in doc["results"].items():
@@ -43,6 +46,8 @@ def _sim_table(doc: dict[str, Any]) -> Table:
             _fmt(r["tpot_s"]["p99"]), _fmt(r["e2e_s"]["p99"], 2), _fmt(r["slo_attainment"], 4),
             _fmt(r["goodput_rps"], 2),
         ]
+        if has_shed:
+            row.append(str(r.get("shed", 0)))
         if has_goodput:
             row.append(_fmt(r.get("max_goodput_rps", 0.0), 2))
         table.add_row(*row)
