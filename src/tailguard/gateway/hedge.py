@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from multidict import CIMultiDict
 
 from tailguard.core.balancer import Ticket
@@ -33,10 +32,11 @@ from tailguard.core.fleet import Outcome
 from tailguard.core.hedging import Hedger
 from tailguard.gateway.config import NodeConfig
 from tailguard.gateway.live_fleet import LiveFleet
+from tailguard.gateway.upstream import UpstreamResponse
 
 # Sends the request to one node and returns its response with the first chunk
 # read (or the whole body when it is not an event stream).
-Send = Callable[[NodeConfig, CIMultiDict[str]], Awaitable[tuple[aiohttp.ClientResponse, bytes]]]
+Send = Callable[[NodeConfig, CIMultiDict[str]], Awaitable[tuple[UpstreamResponse, bytes]]]
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class Copy:
 
     node: NodeConfig
     ticket: Ticket
-    task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]
+    task: asyncio.Task[tuple[UpstreamResponse, bytes]]
 
 
 def _good(c: Copy) -> bool:
@@ -90,7 +90,7 @@ class GatewayHedging:
     async def first_chunk(self, hedger: Hedger, model: str, node: NodeConfig, ticket: Ticket,
                           headers: CIMultiDict[str], send: Send, prompt_tokens: int,
                           max_tokens: int | None, priority: int
-                          ) -> tuple[NodeConfig, Ticket, aiohttp.ClientResponse, bytes]:
+                          ) -> tuple[NodeConfig, Ticket, UpstreamResponse, bytes]:
         """Race the primary against (perhaps) one hedge; the winner's response and first chunk.
 
         Raises the primary's exception when no copy produced a good first chunk

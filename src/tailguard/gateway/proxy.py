@@ -8,7 +8,8 @@ For ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``:
 2. **Pick**: ``balancer.pick`` returns a :class:`~tailguard.core.balancer.Ticket`
    (a permit on one node) or None (503 with ``Retry-After``).
 3. **Forward** the client's bytes unchanged, with its headers minus the
-   hop-by-hop ones, on the shared keep-alive session.
+   hop-by-hop ones, on a keep-alive connection to the node
+   (:mod:`~tailguard.gateway.upstream`).
 4. **Fail over** while nothing has reached the client yet: a connect error,
    a timeout, a 5xx or a 429 releases the ticket with its origin and picks
    another node not tried yet, within ``retries.attempts`` and the pool's
@@ -44,7 +45,6 @@ import hmac
 import time
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -68,6 +68,12 @@ from tailguard.gateway.openai_request import (
     parse_request,
 )
 from tailguard.gateway.sse import SseCounter, usage_completion_tokens
+from tailguard.gateway.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+)
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus those
 # the client library sets itself. Accept-Encoding is replaced by "identity":
@@ -75,6 +81,7 @@ from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 _REQUEST_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
+    "expect",
 })
 _RESPONSE_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -106,8 +113,7 @@ class Proxy:
     def __init__(self, fleet: LiveFleet, metrics: GatewayMetrics) -> None:
         self.fleet = fleet
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
+        self.upstream: UpstreamClient | None = None  # opened at the app's startup
         self.gate = AdmissionGate(fleet, metrics)  # limits and the queue (issue 4)
         self.hedging = GatewayHedging(fleet, metrics.hedge)  # pools with hedging on
 
@@ -229,24 +235,17 @@ class Proxy:
         out[REQUEST_ID_HEADER] = request_id()  # the engine's logs can be joined on it
         return out
 
-    def _client_timeout(self, t: Timeouts) -> aiohttp.ClientTimeout:
-        ct = self._timeouts.get(t)
-        if ct is None:
-            ct = self._timeouts[t] = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s)
-        return ct
-
     def _sender(self, endpoint: str, body: bytes, to: Timeouts) -> Send:
         """POST ``body`` to a node and read the first chunk (for the hedge race)."""
-        session = self.session
-        assert session is not None
+        upstream = self.upstream
+        assert upstream is not None
 
         async def send(node: NodeConfig, headers: CIMultiDict[str]
-                       ) -> tuple[aiohttp.ClientResponse, bytes]:
-            resp = await session.post(node.url + PATHS[endpoint], data=body, headers=headers,
-                                      timeout=self._client_timeout(to))
+                       ) -> tuple[UpstreamResponse, bytes]:
+            resp = await upstream.post(node.url + PATHS[endpoint], headers, body, to.connect_s)
             try:
                 if resp.status < 300 and resp.content_type == "text/event-stream":
-                    return resp, await resp.content.readany()
+                    return resp, await resp.readany()
                 return resp, await resp.read()
             except BaseException:
                 resp.close()
@@ -260,7 +259,8 @@ class Proxy:
                        ticket: Ticket, body: bytes, headers: CIMultiDict[str],
                        req: RoutedRequest, settings: PoolSettings, deadline: float,
                        t0: float) -> web.StreamResponse | Failure:
-        assert self.session is not None
+        upstream = self.upstream
+        assert upstream is not None
         balancer = self.fleet.balancer
         loop = asyncio.get_running_loop()
         to = settings.timeouts
@@ -268,7 +268,7 @@ class Proxy:
         # went away) releases the ticket as cancelled by the client.
         outcome = Outcome.CLIENT_CANCELLED
         tokens = 0
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         key = node.upstream_api_key()
         if key:
             headers = headers.copy()
@@ -289,16 +289,15 @@ class Proxy:
                         streamed = (resp.status < 300
                                     and resp.content_type == "text/event-stream")
                     else:
-                        resp = await self.session.post(node.url + PATHS[endpoint], data=body,
-                                                       headers=headers,
-                                                       timeout=self._client_timeout(to))
+                        resp = await upstream.post(node.url + PATHS[endpoint], headers, body,
+                                                   to.connect_s)
                         streamed = (resp.status < 300
                                     and resp.content_type == "text/event-stream")
                         if streamed:
-                            payload = await resp.content.readany()
+                            payload = await resp.readany()
                         else:
                             payload = await resp.read()
-            except aiohttp.ConnectionTimeoutError as exc:
+            except UpstreamConnectError as exc:
                 outcome = Outcome.CONNECT_FAILURE
                 return Failure(outcome, 502, f"cannot connect to node {node.id}: {exc}",
                                "upstream_connect_failed")
@@ -307,7 +306,7 @@ class Proxy:
                 what = "first byte" if first_deadline < deadline else "answer"
                 return Failure(outcome, 504, f"node {node.id} sent no {what} in time",
                                "upstream_timeout")
-            except (aiohttp.ClientError, OSError) as exc:
+            except (UpstreamError, OSError) as exc:
                 outcome = Outcome.CONNECT_FAILURE
                 return Failure(outcome, 502, f"node {node.id} failed: "
                                              f"{type(exc).__name__}: {exc}", "upstream_error")
@@ -352,7 +351,7 @@ class Proxy:
                     resp.close()
 
     async def _stream(self, request: web.Request, node: NodeConfig, ticket: Ticket,
-                      resp: aiohttp.ClientResponse, first: bytes, req: RoutedRequest,
+                      resp: UpstreamResponse, first: bytes, req: RoutedRequest,
                       to: Timeouts, deadline: float,
                       t0: float) -> tuple[Outcome, int, web.StreamResponse]:
         """Pass a stream through; returns the outcome, output tokens and the response."""
@@ -372,13 +371,12 @@ class Proxy:
         last = t_first
         max_gap = 0.0
         idle = to.idle_s
-        content = resp.content
         error: tuple[Outcome, int, str, str] | None = None
         try:
             timer = asyncio.timeout_at(min(deadline, loop.time() + idle))
             async with timer:
                 while True:
-                    chunk = await content.readany()
+                    chunk = await resp.readany()
                     if not chunk:
                         break
                     now = time.monotonic()
@@ -400,7 +398,7 @@ class Proxy:
             error = (Outcome.TIMEOUT, 504,
                      f"node {node.id} exceeded the request's total time" if total
                      else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout")
-        except (aiohttp.ClientError, OSError) as exc:
+        except (UpstreamError, OSError) as exc:
             error = (Outcome.CONNECT_FAILURE, 502,
                      f"node {node.id} failed in the middle of the stream: "
                      f"{type(exc).__name__}", "upstream_disconnected")
@@ -458,7 +456,7 @@ def _priority(request: web.Request) -> int:
     return {"0": 0, "high": 0, "2": 2, "low": 2}.get(raw.strip().lower(), 1)
 
 
-def _response_headers(resp: aiohttp.ClientResponse, node_id: str) -> CIMultiDict[str]:
+def _response_headers(resp: UpstreamResponse, node_id: str) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in resp.headers.items():
         if k.lower() not in _RESPONSE_SKIP:

@@ -13,6 +13,7 @@ one that adds 3). Signals:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -36,6 +37,7 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
                         access_log: bool = False, record: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT, reloading on SIGHUP."""
     gw = await start_gateway(config, host, port, access_log=access_log, record=record)
+    tune_gc()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -57,6 +59,26 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
         if hasattr(signal, "SIGHUP"):
             loop.remove_signal_handler(signal.SIGHUP)
         await gw.runner.cleanup()
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections on the request path.
+
+    Each proxied request allocates a few hundred short-lived objects, so with
+    CPython's default threshold (700) the collector ran every few requests and
+    took ~9% of the gateway's CPU at 3,000 req/s (py-spy --native). Objects
+    alive after startup (modules, config, the fleet) are frozen out of the
+    collector's scans, and the youngest generation is collected less often.
+    Reference cycles are still collected; memory grows by at most one threshold
+    of young objects.
+    """
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
+
+
+GC_GEN0_THRESHOLD = 50_000
 
 
 def serve(config: FleetConfig, host: str | None = None, port: int | None = None,
