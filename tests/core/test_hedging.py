@@ -37,3 +37,16 @@ def test_silence_of_the_node() -> None:
     assert not h.silent("n1", 10.0, 0.5)
     assert h.silent("n1", 10.3, 0.5)
     assert Hedger(HedgeConfig(require_silence=False)).silent("n1", 0.0, 1.0)
+
+
+def test_default_burst_covers_one_stall() -> None:
+    # After 1,000 calm requests a stall may hedge 50 stuck requests at once (a
+    # burst of 10 ran dry within each 2 s stall in benchmarks/stragglers.py), but
+    # no more: a calm hour must not fund a hedge storm.
+    h = Hedger(HedgeConfig(enabled=True))
+    for _ in range(5000):
+        h.on_request()
+    sent = 0
+    while h.try_hedge():
+        sent += 1
+    assert sent == 50

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import make_policy, policy_names
+from tailguard.core.predict import decode_step_s, running_batch
 from tailguard.errors import ConfigError
 
 MODEL = "llama-3.1-8b"
@@ -98,6 +100,43 @@ def test_tailguard_sampling_option() -> None:
     assert len(seen) >= 4
     with pytest.raises(ConfigError):
         make_policy("tailguard", options={"sample": 1})
+
+
+def test_tailguard_prices_the_prefill_queue_it_joins() -> None:
+    # 4,000-token prompts at one instant: selfish finish time sends the first four
+    # to the H100 (16,000 tokens queued) before the A100 wins one; priced with the
+    # wait it imposes on the requests behind it, the H100 spills after two.
+    def first_spill(queue_weight: float) -> int:
+        b = Balancer([spec("n0", "H100"), spec("n1", "A100")],
+                     [PoolConfig(MODEL, "tailguard", {"queue_weight": queue_weight})],
+                     random.Random(1))
+        picks = [b.pick(MODEL, 4000, 0.0).node_id for _ in range(12)]
+        return picks.index("n1")
+
+    assert first_spill(0.0) == 4
+    assert first_spill(1.0) == 2
+    with pytest.raises(ValueError, match="queue_weight"):
+        make_policy("tailguard", options={"queue_weight": -1})
+
+
+def test_router_and_learner_cap_the_batch_at_the_engine_slots() -> None:
+    b = balancer("tailguard", ["A100"])
+    node = b.nodes["n0"]
+    perf = node.perf
+    assert running_batch(perf, 256, 300, 1200.0) == 256  # max_num_seqs
+    assert running_batch(perf, 256, 10, 1200.0) == 10
+    kv_slots = int(perf.kv_capacity_tokens / 100_000.0)
+    assert running_batch(perf, 256, 300, 100_000.0) == max(1, kv_slots)  # KV-bound
+    # A request that met 300 in flight on 256 slots ran at batch 256: the learner
+    # must price its step there, or a queueing node looks faster than it is.
+    node.slots = 4
+    tickets = [b.pick(MODEL, 100, 0.0) for _ in range(8)]
+    for t in tickets:
+        b.on_first_token(t, 0.1)
+    b.on_finish(tickets[0], 1.1, Outcome.OK, 101)  # 10 ms per token
+    pool = tickets[0].pool
+    step4 = decode_step_s(perf, 4, pool.mean_prompt + pool.mean_output / 2)
+    assert abs(node.capacity.decode.log_ratio - math.log(0.01 / step4) / 3.0) < 1e-9
 
 
 @settings(max_examples=40, deadline=None)

@@ -29,7 +29,7 @@ from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, Perf
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
-from tailguard.core.predict import decode_step_s, prefill_s
+from tailguard.core.predict import decode_step_s, prefill_s, running_batch
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
 from tailguard.errors import ConfigError
 
@@ -318,7 +318,9 @@ class Balancer:
         pool = ticket.pool
         # The same prediction the router made, without the node's learned
         # corrections, for the conditions the request met at dispatch.
-        step = decode_step_s(perf, ticket.batch_at_dispatch, pool.mean_prompt + pool.mean_output / 2)
+        running = running_batch(perf, node.slots, ticket.batch_at_dispatch,
+                                pool.mean_prompt + pool.mean_output)
+        step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
         expected = prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens) + step
         node.capacity.prefill.update(ttft, expected)
         queue = pool.queue
@@ -358,7 +360,9 @@ class Balancer:
             span = now - ticket.t_first
             tpot = span / (output_tokens - 1)
             node.tpot.update(tpot, now)
-            batch = max(1, (ticket.batch_at_first + node.in_flight + 1) // 2)
+            batch = running_batch(node.perf, node.slots,
+                                  max(1, (ticket.batch_at_first + node.in_flight + 1) // 2),
+                                  pool.mean_prompt + pool.mean_output)
             ctx = pool.mean_prompt + pool.mean_output * 0.5
             expected_step = decode_step_s(node.perf, batch, ctx)
             node.capacity.decode.update(tpot, expected_step)

@@ -33,6 +33,20 @@ def prefill_s(perf: PerfModel, tokens_ahead: float, prompt: float) -> float:
     return (tokens_ahead + prompt) * prefill_token_s(perf) + perf.attn_flop_s * prompt * prompt * 0.5
 
 
+def running_batch(perf: PerfModel, slots: int, batch: int, footprint: float) -> int:
+    """Sequences the engine runs at once when ``batch`` are in flight on the node.
+
+    At most ``slots`` (``max_num_seqs``) and what the KV cache holds at
+    ``footprint`` tokens per request; the rest wait in the engine. Router and
+    learner both cap here: a learner that priced the step at the uncapped batch
+    would, once a node queues, read it as faster than it is and invite more load.
+    """
+    kv_slots = int(perf.kv_capacity_tokens / footprint) if footprint > 0.0 else slots
+    if kv_slots < slots:
+        slots = kv_slots if kv_slots > 1 else 1
+    return batch if batch <= slots else slots
+
+
 def decode_step_s(perf: PerfModel, batch: int, mean_ctx: float) -> float:
     """Roofline time of one decode step of ``batch`` sequences of ``mean_ctx`` tokens."""
     return perf.step_time(batch, batch * mean_ctx)

@@ -13,7 +13,10 @@ and from its live load as the gateway counts it:
 * ``ttft = (prompt tokens ahead + this prompt) * prefill cost per token
   * prefill_slowdown + one step``, plus, when the node is full, the time for
   ``b - slots`` requests to drain at ``slots`` per service time;
-* finish time ``e2e = ttft + expected_output * tpot``.
+* finish time ``e2e = ttft + expected_output * tpot``;
+* the request's *queueing externality* on the node: the part of ``ttft``
+  spent waiting for work ahead of it (``wait``: the prompt backlog's prefill,
+  plus the engine queue) times ``queue_weight`` (default 1.0).
 
 The node with the earliest predicted finish wins, among the nodes that keep
 both SLOs (with ``slo_headroom``, default 0.9). The finish time weighs TTFT by
@@ -28,10 +31,36 @@ divided by its weight scale. With ``sample: k`` the policy looks at ``k``
 random nodes instead of all of them (P2C-style), so several gateway replicas
 do not herd on the same node.
 
+Why the queueing term: the finish time is what *this* request pays, and
+routing every request by it is selfish routing, whose equilibrium loads the
+fast nodes until their queue wait eats their speed advantage (Wardrop; the
+"price of anarchy" of Roughgarden and Tardos). A request that joins a FIFO
+prefill queue also delays every request that will queue behind it while it
+waits; in a steady state as many join behind it as it found ahead (Little's
+law with Poisson arrivals seeing time averages), each delayed by a prompt of
+about the node's mean size, so the delay it imposes on others is about the
+wait it meets itself. Counting it (system-optimal routing prices each request
+at its marginal cost) keeps the fast nodes off the steep part of their queue
+curve: when a fast node is lost, its load spills to the next class instead of
+piling onto its peers' prefill queues, which is where a TTFT tail comes from.
+The externality is charged at the node's mean prompt, not this prompt: charged
+at this prompt it would send long prompts from busy fast nodes to idle slow
+ones, whose own prefill then blocks them (tried; unstable). ``queue_weight: 0``
+restores the selfish finish time.
+
 Worked example (llama-3.1-8b, slo tpot 0.1 s): an idle L4 predicts a step of
 75 ms, an H100 with 40 requests in flight a step of 12 ms; for a 200-token
 answer the H100 finishes in ~2.4 s against ~15 s on the L4, so the H100 wins
 until its own batch pushes its step near the L4's, or near the SLO.
+
+Worked example of the queueing term (measured in benchmarks/stragglers.py,
+llama-3.2-3b, one of three H100s throttled): an H100 with 21,000 prompt tokens
+queued predicts TTFT 0.29 s (0.25 s of it waiting: 21,000 x 9.3 us x class
+slowdown 1.3) and 24 ms per token; an A100 predicts 0.08 s and 35 ms. For a
+200-token answer the TTFT weight is ``200 * 0.1 / 2 = 10``: selfishly the H100
+costs ``10 * 0.29 + 200 * 0.024 = 7.7`` s against the A100's ``0.8 + 7.0 = 7.8``
+s, so the H100's queue keeps growing; with the wait it imposes on others
+(``+ 10 * 0.25``) it costs 10.2 s and the request goes to the A100.
 """
 
 from __future__ import annotations
@@ -42,7 +71,7 @@ from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
-from tailguard.core.predict import decode_step_s, prefill_s
+from tailguard.core.predict import decode_step_s, prefill_s, prefill_token_s, running_batch
 
 # Cost added per unit of relative SLO excess: any node that keeps the SLO beats
 # every node that does not, and among those that do not the smaller miss wins.
@@ -58,12 +87,15 @@ class TailguardPolicy:
         self.sample = int(opts.pop("sample", 0))
         self.headroom = float(opts.pop("slo_headroom", 0.9))
         weight = opts.pop("ttft_weight", "slo")
+        self.queue_weight = float(opts.pop("queue_weight", 1.0))
         # "slo": weigh a second of TTFT against decode time as the SLOs do.
         self.ttft_weight = None if weight == "slo" else float(weight)
         if opts:
             raise ValueError(f"unknown tailguard policy option(s): {', '.join(sorted(opts))}")
         if self.sample == 1 or self.sample < 0:
             raise ValueError("sample must be 0 (all nodes) or >= 2")
+        if self.queue_weight < 0.0:
+            raise ValueError("queue_weight must be >= 0")
 
     def choose(
         self, nodes: Sequence[NodeView], req: RequestInfo, now: float, rng: Random
@@ -85,23 +117,24 @@ class TailguardPolicy:
             ttft_weight = out * self.slo.tpot_s / self.slo.ttft_s
         ttft_limit = self.slo.ttft_s * self.headroom
         tpot_limit = self.slo.tpot_s * self.headroom
+        queue_weight = self.queue_weight
         best_id: str | None = None
         best = float("inf")
         for n in cands:
             perf = n.perf
-            slots = n.slots
-            kv_slots = int(perf.kv_capacity_tokens / footprint)
-            if kv_slots < slots:
-                slots = kv_slots if kv_slots > 1 else 1
             batch = n.in_flight + 1
-            running = batch if batch <= slots else slots
+            running = running_batch(perf, n.slots, batch, footprint)
             tpot = decode_step_s(perf, running, ctx) * n.class_decode_slowdown
-            ttft = prefill_s(perf, n.prefill_backlog, prompt) * n.class_prefill_slowdown + tpot
-            if batch > slots:
-                # Queued in the engine: wait for (batch - slots) of the running
-                # requests to finish; they complete at about slots per service time.
-                ttft += (batch - slots) * (ttft + out * tpot) / slots
-            cost = (ttft_weight * ttft + out * tpot) / n.weight_scale
+            pslow = n.class_prefill_slowdown
+            ttft = prefill_s(perf, n.prefill_backlog, prompt) * pslow + tpot
+            wait = n.prefill_backlog * prefill_token_s(perf) * pslow
+            if batch > running:
+                # Queued in the engine: wait for (batch - running) of the running
+                # requests to finish; they complete at about running per service time.
+                engine_wait = (batch - running) * (ttft + out * tpot) / running
+                ttft += engine_wait
+                wait += engine_wait
+            cost = (ttft_weight * (ttft + queue_weight * wait) + out * tpot) / n.weight_scale
             excess = 0.0
             if ttft > ttft_limit:
                 excess += ttft / ttft_limit - 1.0
