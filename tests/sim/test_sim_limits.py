@@ -66,3 +66,25 @@ def test_normal_load_limits_cost_at_most_3_percent() -> None:
     lim = run(raw(True, load=0.8))
     assert lim["goodput_rps"] >= 0.97 * base["goodput_rps"]
     assert lim["shed"] == 0
+
+
+def test_weak_gpu_limit_rests_where_its_tail_meets_the_target() -> None:
+    # The live benchmark's workload (700-token prompts, 16-96-token answers)
+    # on engines with the plan's chunked-prefill budgets (`tailguard plan`,
+    # SLO 0.1 s): the L4's no-load step is 75 ms, so its TPOT hardly moves
+    # with the batch and only a gradient on the excess over that floor
+    # brings its p99 to the 90 ms target (Gradient2's plain ratio let it
+    # rest at a limit of 17-18, p99 0.94-0.96 x SLO).
+    for seed in (3, 4, 5):
+        doc = raw(True, load=3.0, seed=seed)
+        doc["fleet"] = [{"gpu": "A100-80GB", "count": 1, "engine": {"max_num_batched_tokens": 1293}},
+                        {"gpu": "L4", "count": 2, "engine": {"max_num_batched_tokens": 507}}]
+        doc["workload"].update(duration_s=120, warmup_s=40,
+                               input_tokens={"dist": "lognormal", "mu": 6.5, "sigma": 0.6,
+                                             "max": 4096},
+                               output_tokens={"dist": "uniform", "min": 16, "max": 96})
+        doc["limits"] = {"kind": "gradient", "input_tokens": 700, "output_tokens": 56}
+        res = run(doc)
+        assert res["limits"]["L4"]["max"] <= 16
+        assert res["per_gpu"]["L4"]["tpot_p99_s"] <= 0.94 * 0.1
+        assert res["per_priority"]["high"]["slo_attainment"] >= 0.99

@@ -548,7 +548,9 @@ class Balancer:
             output = cfg.output_tokens if cfg.output_tokens is not None else pool.mean_output
             cap = min(node.slots, max(1, int(node.perf.kv_capacity_tokens / (prompt + output))))
             initial = planned_limit(node.perf, cfg.target * slo.tpot_s, prompt, output, cap)
-            limiter = Limiter(make_limit(cfg, initial, cap, slo.tpot_s, slo.ttft_s), cfg.kv_full)
+            floor = decode_step_s(node.perf, 1, prompt + output * 0.5)
+            limiter = Limiter(make_limit(cfg, initial, cap, slo.tpot_s, slo.ttft_s, floor),
+                              cfg.kv_full)
             if node.limiter is not None:  # a reload: permits in flight stay counted
                 limiter.inflight = node.limiter.inflight
             node.limiter = limiter
