@@ -38,6 +38,7 @@ and the gateway diffs it against the running one.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -228,6 +229,12 @@ class HealthSettings:
     successes: int = 1  # consecutive successes before it is routed again
 
 
+@functools.lru_cache(maxsize=1024)
+def _default_pool(model: str) -> PoolSettings:
+    # Immutable, so one per name; cached because the proxy asks per request.
+    return PoolSettings(model)
+
+
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
     """A parsed fleet file."""
@@ -252,7 +259,7 @@ class FleetConfig:
     def pool(self, model: str) -> PoolSettings:
         """The settings of ``model``'s pool (defaults when the file has none)."""
         found = self.pools.get(model)
-        return found if found is not None else PoolSettings(model)
+        return found if found is not None else _default_pool(model)
 
     def node(self, node_id: str) -> NodeConfig | None:
         for n in self.nodes:

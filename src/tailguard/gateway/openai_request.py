@@ -116,7 +116,7 @@ def _max_tokens(data: dict[str, Any]) -> int | None:
 def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
     """Check ``body`` for ``endpoint`` and size it; raises :class:`InvalidRequest`."""
     try:
-        data = json.loads(body)
+        data = json.loads(body.decode("utf-8-sig"))  # JSON on the wire is UTF-8 (RFC 8259)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise InvalidRequest(f"the request body is not valid JSON: {exc}", "invalid_json") from exc
     if not isinstance(data, dict):
