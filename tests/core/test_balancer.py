@@ -29,6 +29,38 @@ def test_accounting_through_a_request_lifecycle() -> None:
     assert (node.in_flight, node.decoding) == (0, 0)
 
 
+def test_non_streamed_prompt_leaves_the_backlog_after_its_predicted_ttft() -> None:
+    b = make(1, "tailguard")
+    node = b.nodes["n0"]
+    quiet = b.pick(MODEL, 2000, 0.0)  # non-streamed: no first token will come
+    streamed = b.pick(MODEL, 700, 0.0)
+    assert quiet is not None and streamed is not None
+    b.expect_no_first_token(quiet, 0.0)
+    assert (node.prefilling, node.prefill_backlog) == (2, 2700)  # not yet: prefill takes time
+    b.tick(0.001)
+    assert (node.prefilling, node.prefill_backlog) == (2, 2700)
+    b.tick(5.0)  # long past a 2,000-token prefill on an A100: the prompt is presumed done
+    assert (node.prefilling, node.prefill_backlog, node.decoding) == (1, 700, 1)
+    assert node.ttft.value == 0.0  # nothing learned from a presumed first token
+    b.on_first_token(streamed, 5.1)
+    b.on_first_token(quiet, 5.2)  # a late first token after all: counted once
+    assert (node.prefilling, node.prefill_backlog, node.decoding) == (0, 0, 2)
+    b.on_finish(quiet, 9.0, Outcome.OK, 100)
+    b.on_finish(streamed, 9.0, Outcome.OK, 100)
+    assert (node.in_flight, node.prefilling, node.prefill_backlog, node.decoding) == (0, 0, 0, 0)
+
+
+def test_non_streamed_ticket_finishing_before_its_presumed_prefill() -> None:
+    b = make(1)
+    node = b.nodes["n0"]
+    t = b.pick(MODEL, 4000, 0.0)
+    b.expect_no_first_token(t, 0.0)
+    b.on_finish(t, 0.01, Outcome.UPSTREAM_5XX, 0)  # failed at once
+    assert (node.in_flight, node.prefilling, node.prefill_backlog, node.decoding) == (0, 0, 0, 0)
+    b.tick(10.0)  # its heap entry is dropped, nothing counted twice
+    assert (node.prefilling, node.prefill_backlog, node.decoding) == (0, 0, 0)
+
+
 def test_permit_released_exactly_once() -> None:
     b = make(1)
     t = b.pick(MODEL, 10, 0.0)

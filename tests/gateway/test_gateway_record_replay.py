@@ -65,8 +65,8 @@ def test_recorded_live_run_replays_with_zero_differences(tmp_path: Path) -> None
     sent = asyncio.run(live_run(record))
     records = read_decisions(record)
     ops = {r["op"] for r in records}
-    assert {"init", "add_pool", "add_node", "pick", "first_token", "finish", "tick",
-            "engine_metrics"} <= ops
+    assert {"init", "add_pool", "add_node", "pick", "first_token", "no_first_token", "finish",
+            "tick", "engine_metrics"} <= ops
     result = replay(records)
     assert result.decisions >= sent
     assert result.differences == []

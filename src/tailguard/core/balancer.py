@@ -16,6 +16,7 @@ model name clients send; each has its own policy and SLO.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class Ticket:
         "permit",
         "pool",
         "prefill_mark",
+        "presumed",
         "prompt_tokens",
         "released",
         "t_dispatch",
@@ -86,6 +88,7 @@ class Ticket:
         self.batch_at_dispatch = node.in_flight + 1
         self.batch_at_first = 0
         self.prefill_mark = 0
+        self.presumed = False  # prompt counted as prefilled without a first token
         self.released = False
         self.permit: Limiter | None = None  # the node's limiter, when its pool has limits
 
@@ -149,6 +152,8 @@ class Balancer:
         self._order = 0
         self._last_tick = -1.0
         self._ticket_seq = 0
+        # Non-streamed tickets by the time their prompt is presumed prefilled.
+        self._presumed: list[tuple[float, int, Ticket]] = []
         self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
         # Called (no arguments) when queue decisions await poll_queue: lets an
         # event-loop driver wake its queued requests without polling.
@@ -261,6 +266,8 @@ class Balancer:
         exclude: Sequence[str] = (),
     ) -> Ticket | None:
         """Choose a node and take a permit on it; None if no node can take it."""
+        if self._presumed and self._presumed[0][0] <= now:
+            self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None:
             return None
@@ -309,9 +316,10 @@ class Balancer:
         ticket.t_first = now
         ticket.batch_at_first = node.in_flight
         ticket.prefill_mark = node.prefill_tokens_total
-        node.prefilling -= 1
-        node.prefill_backlog -= ticket.prompt_tokens
-        node.decoding += 1
+        if not ticket.presumed:
+            node.prefilling -= 1
+            node.prefill_backlog -= ticket.prompt_tokens
+            node.decoding += 1
         ttft = now - ticket.t_dispatch
         node.ttft.update(ttft, now)
         perf = node.perf
@@ -342,7 +350,7 @@ class Balancer:
         ticket.released = True
         node = ticket.node
         node.in_flight -= 1
-        if ticket.t_first < 0.0:
+        if ticket.t_first < 0.0 and not ticket.presumed:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.prompt_tokens
         else:
@@ -369,6 +377,53 @@ class Balancer:
             if self.outliers is not None:
                 self.outliers.on_decode(node, tpot, expected_step)
 
+    def expect_no_first_token(self, ticket: Ticket, now: float) -> None:
+        """The driver will not see ``ticket``'s first token (a non-streamed answer).
+
+        Its prompt is then counted as prefilled once the node's predicted time
+        to first token has passed (the roofline prefill of the prompt and the
+        backlog it found, times the node's learned prefill slowdown, plus one
+        step), instead of when the whole answer is done: the node's prompt
+        backlog predicts the next requests' TTFT and admission, and a
+        non-streamed answer would otherwise hold its prompt there for the
+        whole generation. Nothing is learned from the presumed time.
+        """
+        if ticket.released or ticket.t_first >= 0.0 or ticket.presumed:
+            return
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "no_first_token", "ticket": ticket.id})
+        node = ticket.node
+        pool = ticket.pool
+        perf = node.perf
+        running = running_batch(perf, node.slots, ticket.batch_at_dispatch,
+                                pool.mean_prompt + pool.mean_output)
+        step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
+        ttft = (prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens)
+                * node.capacity.prefill_slowdown + step)
+        heapq.heappush(self._presumed, (ticket.t_dispatch + ttft, ticket.id, ticket))
+        if self._presumed[0][0] <= now:
+            self._settle_presumed(now)
+
+    def _settle_presumed(self, now: float) -> None:
+        heap = self._presumed
+        moved: set[str] = set()
+        while heap and heap[0][0] <= now:
+            ticket = heapq.heappop(heap)[2]
+            if ticket.released or ticket.t_first >= 0.0:
+                continue
+            ticket.presumed = True
+            node = ticket.node
+            node.prefilling -= 1
+            node.prefill_backlog -= ticket.prompt_tokens
+            node.decoding += 1
+            moved.add(ticket.pool.name)
+        for name in sorted(moved):  # a shorter backlog may admit a waiter
+            pool = self.pools.get(name)
+            if pool is not None and pool.queue is not None and pool.queue.length:
+                self._drain(pool, now, self._queue_decisions, scan=False)
+        if moved and self._queue_decisions and self.on_queue_decision is not None:
+            self.on_queue_decision()
+
     # -- concurrency limits and the admission queue (core/limits.py, admission.py) --
 
     def admit(
@@ -392,6 +447,8 @@ class Balancer:
         is the driver's own handle for it. ``ttft_s`` overrides the pool's
         TTFT SLO for the deadline (header ``x-slo-ttft-ms``).
         """
+        if self._presumed and self._presumed[0][0] <= now:
+            self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None or not pool.limited:
             return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
@@ -426,6 +483,8 @@ class Balancer:
         Returns every decision taken since the last call (also displacements
         made by :meth:`admit`), in order. Never raises for an empty queue.
         """
+        if self._presumed and self._presumed[0][0] <= now:
+            self._settle_presumed(now)
         out = self._queue_decisions
         self._queue_decisions = []
         for pool in self.pools.values():
@@ -602,6 +661,8 @@ class Balancer:
         return events
 
     def _tick(self, now: float) -> list[Event]:
+        if self._presumed and self._presumed[0][0] <= now:
+            self._settle_presumed(now)
         self._refresh_class_slowdowns()
         self._last_tick = now
         if self.outliers is None:

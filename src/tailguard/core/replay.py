@@ -86,6 +86,10 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
             t = tickets.get(rec["ticket"])
             if t is not None:
                 balancer.on_first_token(t, rec["t"])
+        elif op == "no_first_token":
+            t = tickets.get(rec["ticket"])
+            if t is not None:
+                balancer.expect_no_first_token(t, rec["t"])
         elif op == "finish":
             t = tickets.pop(rec["ticket"], None)
             if t is not None:

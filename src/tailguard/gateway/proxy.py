@@ -33,8 +33,10 @@ until a stream's first chunk; ``idle_s`` between chunks; ``total_s`` for the
 request, retries included. A non-streamed answer only arrives once it is
 complete, so only ``total_s`` bounds it.
 
-Non-streamed answers give the core no first-token time: their tickets finish
-without ``on_first_token`` (the core then learns only the end-to-end latency).
+Non-streamed answers give the core no first-token time: the proxy tells the
+core so (``expect_no_first_token``), which then counts the prompt as
+prefilled after its predicted TTFT; it learns only the end-to-end latency
+from them.
 """
 
 from __future__ import annotations
@@ -204,6 +206,8 @@ class Proxy:
                 break
             if failure is not None:
                 self.metrics.retry(model, failure.origin.value)
+            if not req.stream:  # no first token to see: the core presumes one
+                balancer.expect_no_first_token(ticket, time.monotonic())
             tried.append(node.id)
             result = await self._attempt(request, endpoint, node, ticket, body, headers, req,
                                          settings, deadline, t0)
