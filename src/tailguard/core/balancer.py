@@ -96,6 +96,18 @@ class Ticket:
     def node_id(self) -> str:
         return self.node.id
 
+    def expected_ttft(self) -> float:
+        """Roofline TTFT for the conditions at dispatch (its prompt, the backlog
+        ahead of it, the batch it joined), without the node's learned corrections:
+        the router's prediction before its slowdown factor."""
+        node = self.node
+        perf = node.perf
+        pool = self.pool
+        running = running_batch(perf, node.slots, self.batch_at_dispatch,
+                                pool.mean_prompt + pool.mean_output)
+        step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
+        return prefill_s(perf, self.ahead_tokens, self.prompt_tokens) + step
+
 
 class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
@@ -322,14 +334,10 @@ class Balancer:
             node.decoding += 1
         ttft = now - ticket.t_dispatch
         node.ttft.update(ttft, now)
-        perf = node.perf
         pool = ticket.pool
         # The same prediction the router made, without the node's learned
         # corrections, for the conditions the request met at dispatch.
-        running = running_batch(perf, node.slots, ticket.batch_at_dispatch,
-                                pool.mean_prompt + pool.mean_output)
-        step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
-        expected = prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens) + step
+        expected = ticket.expected_ttft()
         node.capacity.prefill.update(ttft, expected)
         queue = pool.queue
         if queue is not None and queue.length:  # a shorter backlog may admit a waiter

@@ -64,6 +64,12 @@ def _failure_origin(c: Copy) -> Outcome:
     return Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.CONNECT_FAILURE
 
 
+def _expected(hedger: Hedger, ticket: Ticket) -> float | None:
+    """The ticket's expected TTFT when the delay is per request (else not needed)."""
+    cfg = hedger.config
+    return ticket.expected_ttft() if cfg.per_request and cfg.after_s <= 0.0 else None
+
+
 class GatewayHedging:
     """The hedgers of a gateway's pools and the race mechanics."""
 
@@ -85,7 +91,7 @@ class GatewayHedging:
         h = self._hedgers.get(model)
         if h is not None:
             h.on_progress(node.id, now)
-            h.on_ttft(node.gpu_class, now - ticket.t_dispatch)
+            h.on_ttft(node.gpu_class, now - ticket.t_dispatch, _expected(h, ticket))
 
     async def first_chunk(self, hedger: Hedger, model: str, node: NodeConfig, ticket: Ticket,
                           headers: CIMultiDict[str], send: Send, prompt_tokens: int,
@@ -100,7 +106,7 @@ class GatewayHedging:
         primary = Copy(node, ticket, asyncio.ensure_future(send(node, headers)))
         copies = [primary]
         try:
-            after = hedger.hedge_after(node.gpu_class)
+            after = hedger.hedge_after(node.gpu_class, _expected(hedger, ticket))
             if after is not None:
                 done, _ = await asyncio.wait({primary.task}, timeout=after)
                 if not done:
@@ -138,7 +144,8 @@ class GatewayHedging:
                      headers: CIMultiDict[str], send: Send, prompt_tokens: int,
                      max_tokens: int | None, priority: int, after: float) -> Copy | None:
         now = time.monotonic()
-        if not hedger.silent(primary.node.id, now, after) or not hedger.try_hedge():
+        if (not hedger.silent(primary.node.id, now, after, primary.node.gpu_class)
+                or not hedger.try_hedge()):
             return None
         fleet = self.fleet
         ticket = fleet.balancer.pick(model, prompt_tokens, now, max_tokens, priority,

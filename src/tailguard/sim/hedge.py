@@ -65,7 +65,7 @@ class SimHedges:
     def on_send(self, rid: int, ticket: Ticket, t: float) -> None:
         """A first attempt was dispatched: earn budget, arm the hedge timer."""
         self.hedger.on_request()
-        after = self.hedger.hedge_after(ticket.node.spec.gpu_class)
+        after = self.hedger.hedge_after(ticket.node.spec.gpu_class, self._expected(ticket))
         if after is not None:
             self.post(t + after, self.HEDGE, rid, 0)
 
@@ -76,8 +76,9 @@ class SimHedges:
                 or primary.released or rid in self.racing or rid in self.dead_primary):
             return
         node_id = primary.node.id
-        after = self.hedger.hedge_after(primary.node.spec.gpu_class) or 0.0
-        if not self.hedger.silent(node_id, now, after):
+        after = self.hedger.hedge_after(primary.node.spec.gpu_class,
+                                        self._expected(primary)) or 0.0
+        if not self.hedger.silent(node_id, now, after, primary.node.spec.gpu_class):
             # Busy with others: look again later (a stall may begin meanwhile).
             self.post(now + max(after, self.hedger.config.min_after_s), self.HEDGE, rid, 0)
             return
@@ -184,7 +185,13 @@ class SimHedges:
         if ticket is not None and not ticket.released:
             self.hedger.on_progress(ticket.node.id, now)
             if self.rec.first[rid] < 0.0:
-                self.hedger.on_ttft(ticket.node.spec.gpu_class, now - ticket.t_dispatch)
+                self.hedger.on_ttft(ticket.node.spec.gpu_class, now - ticket.t_dispatch,
+                                    self._expected(ticket))
+
+    def _expected(self, ticket: Ticket) -> float | None:
+        """The ticket's expected TTFT when the delay is per request (else not needed)."""
+        cfg = self.hedger.config
+        return ticket.expected_ttft() if cfg.per_request and cfg.after_s <= 0.0 else None
 
     # -- faults ----------------------------------------------------------------------
 
