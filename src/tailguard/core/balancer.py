@@ -389,9 +389,8 @@ class Balancer:
         """The driver will not see ``ticket``'s first token (a non-streamed answer).
 
         Its prompt is then counted as prefilled once the node's predicted time
-        to first token has passed (the roofline prefill of the prompt and the
-        backlog it found, times the node's learned prefill slowdown, plus one
-        step), instead of when the whole answer is done: the node's prompt
+        to first token has passed (:meth:`Ticket.expected_ttft` times the
+        node's learned prefill slowdown), instead of when the whole answer is done: the node's prompt
         backlog predicts the next requests' TTFT and admission, and a
         non-streamed answer would otherwise hold its prompt there for the
         whole generation. Nothing is learned from the presumed time.
@@ -400,14 +399,8 @@ class Balancer:
             return
         if self.recorder is not None:
             self.recorder({"t": now, "op": "no_first_token", "ticket": ticket.id})
-        node = ticket.node
-        pool = ticket.pool
-        perf = node.perf
-        running = running_batch(perf, node.slots, ticket.batch_at_dispatch,
-                                pool.mean_prompt + pool.mean_output)
-        step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
-        ttft = (prefill_s(perf, ticket.ahead_tokens, ticket.prompt_tokens)
-                * node.capacity.prefill_slowdown + step)
+        # The learner's ratio is observed over expected TTFT: its inverse use.
+        ttft = ticket.expected_ttft() * ticket.node.capacity.prefill_slowdown
         heapq.heappush(self._presumed, (ticket.t_dispatch + ttft, ticket.id, ticket))
         if self._presumed[0][0] <= now:
             self._settle_presumed(now)
