@@ -143,7 +143,8 @@ async def one_run(limited: bool, rate: float, duration: float, warmup: float,
     gpu_of = {n.id: n.gpu for n in emulated}
     lag.sort()
     res: dict[str, Any] = {"goodput_rps": 0.0, "rejected": 0, "per_priority": {},
-                           "whole_run": {}, "tpot_p99_by_class": {}, "limits": limits,
+                           "whole_run": {}, "misses": {}, "tpot_p99_by_class": {},
+                           "limits": limits,
                            "probe_429_s": lat, "shed_reasons": reasons,
                            "loop_lag_ms": {"p99": round(lag[int(0.99 * len(lag))] * 1e3, 1),
                                            "max": round(lag[-1] * 1e3, 1)} if lag else {}}
@@ -151,6 +152,7 @@ async def one_run(limited: bool, rate: float, duration: float, warmup: float,
         label = gen.cfg.label
         whole = summarize(gen.records, gen.cfg, gen.elapsed_s)
         res["whole_run"][label] = whole["slo_attainment"]
+        res["misses"][label] = _misses(gen.records)
         steady = [r for r in gen.records if r.arrival >= warmup]
         r = summarize(steady, replace(gen.cfg, duration_s=duration - warmup), gen.elapsed_s)
         res["goodput_rps"] += r["goodput_rps"]
@@ -172,6 +174,21 @@ async def one_run(limited: bool, rate: float, duration: float, warmup: float,
     return res
 
 
+def _misses(records: list[Any]) -> list[tuple[float, str, str, float, float]]:
+    """Admitted requests that missed the SLO: (arrival, node, which, TTFT, TPOT)."""
+    out = []
+    for x in records:
+        if x.error != "ok":
+            continue
+        ttft = x.first - x.arrival
+        tpot = (x.end - x.first) / (x.tokens - 1) if x.tokens > 1 else 0.0
+        which = "+".join(k for k, miss in (("ttft", ttft > SLO.ttft_s),
+                                           ("tpot", tpot > SLO.tpot_s)) if miss)
+        if which:
+            out.append((round(x.arrival, 2), x.node, which, round(ttft, 3), round(tpot, 4)))
+    return sorted(out)
+
+
 async def main_async(load: float, duration: float, warmup: float, limit_opts: dict[str, Any],
                      baseline: bool) -> None:
     bound = capacity_bound()
@@ -189,6 +206,10 @@ async def main_async(load: float, duration: float, warmup: float, limit_opts: di
         print(f"    per priority {r['per_priority']}")
         print(f"    attainment over the whole run (with warm-up) {r['whole_run']}; "
               f"event-loop lag {r['loop_lag_ms']} ms")
+        high = r["misses"].get("high", [])
+        early = sum(1 for m in high if m[0] < warmup)
+        print(f"    high misses over the whole run: {len(high)} ({early} in the warm-up); "
+              f"first ones {high[:20]}")
         if r["limits"]:
             print(f"    final limits {r['limits']}; shed by reason {r['shed_reasons']}")
 

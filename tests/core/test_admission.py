@@ -239,3 +239,21 @@ def test_reload_keeps_queued_requests_and_in_flight_permits() -> None:
     shed = b.poll_queue(0.3)
     assert [(w, isinstance(d, Shed)) for w, d in shed] == [(third, True)]
     assert isinstance(b.admit(MODEL, 100, 0.4), Ticket)
+
+
+def test_cold_queue_does_not_shed_on_an_unwarmed_drain_rate() -> None:
+    # Releases at 10/s from t = 1 (the first requests took a second to finish).
+    q = AdmissionQueue(AdmissionConfig(rate_tau_s=5.0))
+    for i in range(11):
+        q.on_release(1.0 + i * 0.1)
+    # The decayed count over a 1 s span is corrected for the 4 s it has not
+    # seen (it read ~2/s without): the estimate is the rate itself.
+    assert 9.0 < q.drain_rate(2.0) < 13.0
+    for _ in range(30):
+        assert q.offer(w(1, 100.0), 2.0)[0] is None
+    # 31 ahead at ~11/s is ~2.8 s past a 1 s deadline, but one second of
+    # releases is no basis to refuse a request: it waits and expires instead.
+    assert q.offer(w(1, 3.0), 2.0)[0] is None and not q.warmed(2.0)
+    assert q.warmed(6.0)
+    shed, _ = q.offer(w(1, 7.0), 6.0)
+    assert shed is not None and shed.reason == "deadline"

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.admission import AdmissionConfig
+from tailguard.core.balancer import Balancer, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, perf_model
 from tailguard.core.limits import (
@@ -201,3 +202,60 @@ def test_planned_initial_limits_follow_the_hardware() -> None:
         assert alg.floor() == pytest.approx(decode_step_s(node.perf, 1, 1100.0))
         floors[node.id] = alg.floor()
     assert 0.07 < floors["l"] < 0.08  # an 8B model's weights streamed once by an L4
+
+
+def test_gradient_slow_start_doubles_per_round_trip_until_a_window_over_target() -> None:
+    g = GradientLimit(40, 0.09, 1.0, update_every=10, floor_tpot=0.075, start=8)
+    assert g.limit == 8 and g.slow_start and g.ssthresh == 40
+    for _ in range(8):  # one round trip of the 8 permits, all within target
+        g.on_sample(0.0, 0.08, 0.5, 8, False)
+    assert g.limit == 16 and g.slow_start
+    g.on_sample(0.0, 0.095, 0.5, 16, False)  # over target: no growth
+    g.on_sample(0.0, 0.08, 0.5, 16, False)  # the 10th sample: the window's p99 is over
+    assert not g.slow_start
+    # The gradient rule takes over from where slow start got to, not from 40.
+    assert g.estimate == pytest.approx(17 * 0.8 + 17 * (0.015 / 0.02) * 0.2)
+    # Slow start ends at its threshold; a drop ends it too.
+    h = GradientLimit(12, 0.09, 1.0, start=10)
+    for _ in range(5):
+        h.on_sample(0.0, 0.05, 0.5, 12, False)
+    assert h.limit == 12 and not h.slow_start
+    d = GradientLimit(40, 0.09, 1.0, start=10)
+    d.on_sample(0.0, 0.0, 0.0, 10, True)
+    assert not d.slow_start and d.estimate == pytest.approx(9.0)
+
+
+def test_cold_start_burst_fills_a_node_no_faster_than_it_drains() -> None:
+    # One L4 (planned limit 33 at 700/56 tokens), a burst of normal requests
+    # at t = 0 on a manual clock. Without slow start every first token lets
+    # the TTFT check admit more, until the plan's 33 share the prefill steps.
+    def burst(slow_start: bool) -> tuple[Balancer, list[object]]:
+        spec = NodeSpec("l", DEFAULT_CATALOG.gpu("L4"), "L4", models=(MODEL,))
+        cfg = LimitConfig(kind="gradient", input_tokens=700, output_tokens=56,
+                          slow_start=slow_start)
+        b = Balancer([spec], [PoolConfig(MODEL, "least_request", slo=Slo(1.0, 0.1),
+                                         limits=cfg, admission=AdmissionConfig())],
+                     random.Random(0))
+        got: list[object] = [b.admit(MODEL, 700, 0.0) for _ in range(40)]
+        now = 0.0
+        for _ in range(6):  # prefill finishes, the queue refills the node
+            now += 0.15
+            running = [t for t in got if isinstance(t, Ticket) and t.t_first < 0]
+            for t in running:
+                b.on_first_token(t, now)
+            got += [d for _w, d in b.poll_queue(now)]
+        return b, got
+
+    b, _ = burst(False)
+    assert b.nodes["l"].in_flight >= 30
+    b, got = burst(True)
+    lim = b.nodes["l"].limiter
+    assert lim is not None and lim.ceiling == 33 and lim.limit == 16 == b.nodes["l"].in_flight
+    # Each request that finishes within target frees its permit and adds one.
+    first = next(t for t in got if isinstance(t, Ticket))
+    b.on_finish(first, first.t_first + 55 * 0.08, Outcome.OK, 56)
+    assert lim.limit == 17 and b.nodes["l"].in_flight == 15
+    now = first.t_first + 4.5
+    b.poll_queue(now)  # the burst's leftovers expired at their deadline
+    after = [b.admit(MODEL, 700, now) for _ in range(3)]
+    assert [isinstance(x, Ticket) for x in after] == [True, True, False]

@@ -23,7 +23,11 @@ silent timeout:
   ``(entries of its priority or higher + 1) / (release rate - arrival rate
   of higher priorities)``: higher-priority arrivals overtake it, as in a
   preemptive-priority queue. Rates are counters decayed with time constant
-  ``rate_tau_s``; before the first release nothing is shed on prediction;
+  ``rate_tau_s``, divided by the span they have seen (``tau * (1 -
+  exp(-elapsed / tau))``, the bias correction of an average started at zero);
+  until releases have been seen for ``rate_tau_s`` nothing is shed on
+  prediction (a cold fleet's first second of releases says little about the
+  next), entries expire at their deadline instead;
 * ``expired``: an entry still queued at its deadline (it could no longer
   meet the TTFT SLO; serving it would only delay the others).
 
@@ -111,8 +115,9 @@ class Waiter:
 class AdmissionQueue:
     """One pool's queue: bounded, ordered by (priority, deadline, arrival)."""
 
-    __slots__ = ("_arrivals", "_arrivals_t", "_heap", "_rate", "_rate_t", "_seq", "by_priority",
-                 "bytes", "config", "length", "service_ttft", "shed_total")
+    __slots__ = ("_arrivals", "_arrivals_t", "_first_arrival", "_first_release", "_heap", "_rate",
+                 "_rate_t", "_seq", "by_priority", "bytes", "config", "length", "service_ttft",
+                 "shed_total")
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -125,6 +130,10 @@ class AdmissionQueue:
         self._rate_t = 0.0
         self._arrivals = [0.0, 0.0, 0.0]  # decayed counts of arrivals per priority
         self._arrivals_t = [0.0, 0.0, 0.0]
+        # When the counters started: a decayed count over a span shorter than
+        # its time constant is corrected for the time it could not see.
+        self._first_release = math.nan
+        self._first_arrival = math.nan
         self.shed_total: dict[str, int] = {}
         # Recent node-side TTFT (dispatch to first token): a request must leave
         # the queue at least this long before its deadline to meet it.
@@ -141,6 +150,8 @@ class AdmissionQueue:
     # -- drain-rate estimate -------------------------------------------------
 
     def on_release(self, now: float, ttft: float = 0.0) -> None:
+        if self._first_release != self._first_release:  # nan: the first release
+            self._first_release = now
         self._rate = self._decayed(now) + 1.0
         self._rate_t = now
         if ttft > 0.0:
@@ -152,20 +163,40 @@ class AdmissionQueue:
 
     def on_arrival(self, priority: int, now: float) -> None:
         """A request of ``priority`` arrived at the pool (queued or not)."""
+        if self._first_arrival != self._first_arrival:
+            self._first_arrival = now
         self._arrivals[priority] = self._decay(self._arrivals[priority],
                                                now - self._arrivals_t[priority]) + 1.0
         self._arrivals_t[priority] = now
 
     def arrival_rate(self, priority: int, now: float) -> float:
-        return self._decay(self._arrivals[priority],
-                           now - self._arrivals_t[priority]) / self.config.rate_tau_s
+        return self._decay(self._arrivals[priority], now - self._arrivals_t[priority]) \
+            / self._span(now, self._first_arrival)
+
+    def _span(self, now: float, since: float) -> float:
+        """The decayed counters' effective window: ``tau * (1 - exp(-elapsed / tau))``.
+
+        A count decayed with time constant ``tau`` divided by ``tau`` is the
+        rate only once it has run for several ``tau``; after ``elapsed``
+        seconds it has seen ``1 - exp(-elapsed / tau)`` of that weight (the
+        bias correction of an exponentially weighted average started at zero).
+        """
+        tau = self.config.rate_tau_s
+        elapsed = now - since
+        if not elapsed > 0.0:  # also nan: nothing seen yet
+            return tau
+        return tau * -math.expm1(-elapsed / tau) if elapsed < 20.0 * tau else tau
+
+    def warmed(self, now: float) -> bool:
+        """Releases have been seen for a time constant: the drain rate can be trusted."""
+        return now - self._first_release >= self.config.rate_tau_s
 
     def _decay(self, count: float, dt: float) -> float:
         return count * math.exp(-dt / self.config.rate_tau_s) if dt > 0 else count
 
     def drain_rate(self, now: float) -> float:
         """Permit releases per second lately (0 until the first release)."""
-        return self._decayed(now) / self.config.rate_tau_s
+        return self._decayed(now) / self._span(now, self._first_release)
 
     def _decayed(self, now: float) -> float:
         dt = now - self._rate_t
@@ -199,7 +230,7 @@ class AdmissionQueue:
         # Before any release there is no drain rate to predict from. With an
         # empty queue the wait is one release, unless higher priorities take
         # every release (then it is infinite: shed now, not at the deadline).
-        if (cfg.shed_on_predicted_wait and w.deadline < math.inf and self._rate > 0.0
+        if (cfg.shed_on_predicted_wait and w.deadline < math.inf and self.warmed(now)
                 and now + self.predicted_wait(w.priority, now) > self.latest_start(w)):
             return self._shed("deadline", now), []
         displaced: list[Waiter] = []

@@ -553,7 +553,10 @@ class Balancer:
                 continue
             capable = True
             lim = n.limiter
-            full = lim is not None and share < 1.0 and lim.inflight >= lim.limit * share
+            # The reserve is a number of permits sized on the limit the node
+            # is headed for, so it does not shrink while slow start ramps.
+            full = (lim is not None and share < 1.0
+                    and lim.inflight >= lim.limit - (1.0 - share) * lim.ceiling)
             if full or prefill_s(n.perf, n.prefill_backlog, prompt_tokens) * slow > budget:
                 if out is None:
                     out = list(exclude)
@@ -609,7 +612,15 @@ class Balancer:
             cap = min(node.slots, max(1, int(node.perf.kv_capacity_tokens / (prompt + output))))
             initial = planned_limit(node.perf, cfg.target * slo.tpot_s, prompt, output, cap)
             floor = decode_step_s(node.perf, 1, prompt + output * 0.5)
-            limiter = Limiter(make_limit(cfg, initial, cap, slo.tpot_s, slo.ttft_s, floor),
+            # A cold node slow-starts (core/limits.py) from the typical prompts
+            # it can prefill within the TTFT target, or half the plan when that
+            # is more (one doubling, one request lifetime, to reach the plan);
+            # a reloaded one is warm already.
+            cold = None
+            if node.limiter is None:
+                wave = int(cfg.target * slo.ttft_s / prefill_s(node.perf, 0, prompt))
+                cold = max(1, wave, initial // 2)
+            limiter = Limiter(make_limit(cfg, initial, cap, slo.tpot_s, slo.ttft_s, floor, cold),
                               cfg.kv_full)
             if node.limiter is not None:  # a reload: permits in flight stay counted
                 limiter.inflight = node.limiter.inflight

@@ -55,6 +55,19 @@ trip time against its no-load minimum:
   was 0.996 x the SLO (A100) instead of 0.9 x, and short requests on both
   GPUs finished at the SLO give or take a millisecond of jitter.
 
+Slow start (gradient, ``slow_start: true`` by default; TCP's, RFC 5681): a
+cold node starts below its plan, at the typical prompts it can prefill within
+the TTFT target or half the plan, whichever is more, and grows by one per
+sample within both targets while at least half of it is in use (so it doubles
+every round trip of its permits) until it reaches the plan (the threshold), a
+window's percentile goes over target (the gradient rule then cuts from where
+slow start got to) or a drop. Starting at the plan, a cold fleet admits a
+whole plan's worth of prompts at once: their prefill fills every engine step
+for seconds, and the first requests miss TTFT and TPOT. A reloaded node keeps
+no slow start (it is warm). The partitioned reserve of higher priorities is
+sized on the threshold (:attr:`Limiter.ceiling`), so it does not shrink while
+the limit ramps.
+
 The initial limit comes from the roofline model (:func:`planned_limit`): the
 largest batch whose step time, including its share of chunked prefill,
 stays within ``target * slo_tpot`` at the workload's typical context, capped
@@ -104,6 +117,9 @@ class LimitConfig:
     # the pool's running means when the node registers.
     input_tokens: float | None = None
     output_tokens: float | None = None
+    # Gradient only: a cold node starts at the prompts it can prefill within
+    # the TTFT target and grows by one per good sample up to the plan.
+    slow_start: bool = True
 
 
 class Limit(Protocol):
@@ -165,16 +181,23 @@ class GradientLimit:
     """Gradient2-style limit on a recent high percentile of TPOT and TTFT against their targets."""
 
     __slots__ = ("_estimate", "_growth_scale", "_min_tpot", "_n", "_tpots", "_ttfts", "backoff",
-                 "floor_tpot", "max_limit", "min_limit", "percentile", "smoothing", "target_tpot",
-                 "target_ttft", "update_every", "window")
+                 "floor_tpot", "max_limit", "min_limit", "percentile", "smoothing",
+                 "ssthresh", "target_tpot", "target_ttft", "update_every", "window")
 
     def __init__(self, initial: int, target_tpot: float, target_ttft: float, *,
                  min_limit: int = 1, max_limit: int = 256, window: int = 40,
                  update_every: int = 10, smoothing: float = 0.2, backoff: float = 0.9,
-                 percentile: float = 0.99, floor_tpot: float = 0.0) -> None:
+                 percentile: float = 0.99, floor_tpot: float = 0.0,
+                 start: int | None = None) -> None:
         self.min_limit, self.max_limit = min_limit, max_limit
         self.percentile = percentile
         self._estimate = float(min(max(initial, min_limit), max_limit))
+        # Slow start: from ``start`` up to ``initial`` (the threshold), +1 per
+        # sample within target, until a window over target or a drop.
+        self.ssthresh = 0.0
+        if start is not None and start < self._estimate:
+            self.ssthresh = self._estimate
+            self._estimate = float(max(start, min_limit))
         self.target_tpot, self.target_ttft = target_tpot, target_ttft
         self.window, self.update_every = window, update_every
         self.smoothing, self.backoff = smoothing, backoff
@@ -203,9 +226,15 @@ class GradientLimit:
         """The TPOT floor the gradient measures excess from (0 without a prior)."""
         return min(self.floor_tpot, self._min_tpot) if self.floor_tpot > 0.0 else 0.0
 
+    @property
+    def slow_start(self) -> bool:
+        """Still in slow start (growing by one per sample toward ``ssthresh``)."""
+        return self.ssthresh > 0.0
+
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
                   dropped: bool) -> None:
         if dropped:
+            self.ssthresh = 0.0
             self._estimate = max(float(self.min_limit), self._estimate * self.backoff)
             return
         if tpot > 0.0:
@@ -214,6 +243,14 @@ class GradientLimit:
                 self._min_tpot = tpot
         if ttft > 0.0:
             _push(self._ttfts, ttft, self.window)
+        if self.ssthresh > 0.0 and tpot <= self.target_tpot and ttft <= self.target_ttft \
+                and inflight * 2 >= self._estimate:
+            # TCP slow start: one more permit per good sample doubles the
+            # limit every round trip of the node's permits.
+            self._estimate += 1.0
+            if self._estimate >= self.ssthresh:
+                self._estimate = self.ssthresh
+                self.ssthresh = 0.0
         self._n += 1
         if self._n < self.update_every:
             return
@@ -225,6 +262,10 @@ class GradientLimit:
         if self._ttfts:
             gradient = min(gradient, self.target_ttft / _quantile(self._ttfts, self.percentile))
         est = self._estimate
+        if self.ssthresh > 0.0:
+            if gradient >= 1.0:
+                return  # slow start grows per sample
+            self.ssthresh = 0.0  # the first window over target ends it
         if gradient >= 1.0:
             # Grow only while the limit is actually used: an idle node's fast
             # samples say nothing about a larger batch. The step is the slack
@@ -299,6 +340,14 @@ class Limiter:
     def has_room(self) -> bool:
         return self.inflight < self.algorithm.limit
 
+    @property
+    def ceiling(self) -> float:
+        """The limit the node is headed for: the slow-start threshold while in slow start."""
+        alg = self.algorithm
+        if isinstance(alg, GradientLimit) and alg.ssthresh > 0.0:
+            return alg.ssthresh
+        return float(alg.limit)
+
     def acquire(self) -> None:
         self.inflight += 1
 
@@ -353,11 +402,12 @@ def planned_limit(perf: PerfModel, tpot_s: float, input_tokens: float, output_to
 
 
 def make_limit(config: LimitConfig, initial: int, max_limit: int, tpot_slo: float,
-               ttft_slo: float, floor_tpot: float = 0.0) -> Limit:
+               ttft_slo: float, floor_tpot: float = 0.0, cold_start: int | None = None) -> Limit:
     """Build the algorithm ``config.kind`` for one node.
 
     ``floor_tpot`` is the node's no-load TPOT from the prior (0: unknown),
     from which the gradient measures the batch's share of the TPOT.
+    ``cold_start`` (None: none) is where the gradient's slow start begins.
     """
     lo = config.min_limit
     hi = max(lo, config.max_limit if config.max_limit is not None else max_limit)
@@ -370,7 +420,8 @@ def make_limit(config: LimitConfig, initial: int, max_limit: int, tpot_slo: floa
                          min_limit=lo, max_limit=hi, window=config.window,
                          update_every=config.update_every, smoothing=config.smoothing,
                          backoff=config.backoff, percentile=config.percentile,
-                         floor_tpot=floor_tpot)
+                         floor_tpot=floor_tpot,
+                         start=cold_start if config.slow_start else None)
 
 
 def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
@@ -379,8 +430,8 @@ def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError(where, "must be a mapping like {kind: gradient}")
-    allowed = ("kind", "initial", "min", "max", "target", "percentile", "window", "update_every", "smoothing",
-               "backoff", "kv_full", "input_tokens", "output_tokens")
+    allowed = ("kind", "initial", "min", "max", "target", "percentile", "window", "update_every",
+               "smoothing", "backoff", "kv_full", "input_tokens", "output_tokens", "slow_start")
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{where}.{key}", "unknown key", list(allowed))
@@ -405,6 +456,9 @@ def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
     def opt_num(key: str) -> float | None:
         return num(key, 1.0, 1.0) if raw.get(key) is not None else None
 
+    slow_start = raw.get("slow_start", True)
+    if not isinstance(slow_start, bool):
+        raise ConfigError(f"{where}.slow_start", "must be true or false")
     lo = opt_int("min") or 1
     hi = opt_int("max")
     if hi is not None and hi < lo:
@@ -416,6 +470,7 @@ def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
         update_every=int(num("update_every", 10, 1)), smoothing=num("smoothing", 0.2, 0.0, 1.0),
         backoff=num("backoff", 0.9, 0.1, 1.0), kv_full=num("kv_full", 0.95, 0.0, 1.0),
         input_tokens=opt_num("input_tokens"), output_tokens=opt_num("output_tokens"),
+        slow_start=slow_start,
     )
 
 
