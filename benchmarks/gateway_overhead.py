@@ -8,7 +8,10 @@ gateway's own cost. Measures, side by side in the same process and run:
 * with ``--wrk`` (and Debian's ``wrk`` installed), the same rate with the
   engine and the gateway in their own processes (``tailguard emulate``,
   ``tailguard serve``) and the load from ``wrk``, so that the client's cost
-  does not count against the gateway.
+  does not count against the gateway; in rounds, with the gateway's CPU time
+  per request, and with ``--baseline-src DIR`` a second gateway from another
+  source tree alternating with this one (how an optimisation is measured on a
+  shared machine).
 
 Goal (issue 3): added p50 <= 1 ms at concurrency 1, >= 4,000 req/s through
 the gateway. Prints what it measured; asserts nothing. Load generator,
@@ -16,6 +19,7 @@ gateway and engine share this machine's cores, so the absolute numbers are
 pessimistic; compare the two columns.
 
     python benchmarks/gateway_overhead.py [--requests 2000] [--seconds 5]
+        [--wrk [--wrk-rounds 3] [--baseline-src /tmp/old/src]]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import shutil
 import socket
@@ -128,42 +133,79 @@ def wait_for(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def wrk_rate(url: str, lua: Path, seconds: float, conns: int = 64) -> float:
+def wrk_run(url: str, lua: Path, seconds: float, conns: int = 64) -> tuple[float, int]:
+    """Requests per second and requests completed by ``wrk`` against ``url``."""
     out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "-s", str(lua), url],
                          capture_output=True, text=True, check=True).stdout
-    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    if m is None or "Non-2xx" in out:
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    done = re.search(r"(\d+) requests in", out)
+    if rate is None or done is None or "Non-2xx" in out:
         raise RuntimeError(f"wrk failed:\n{out}")
-    return float(m.group(1))
+    return float(rate.group(1)), int(done.group(1))
 
 
-def separate_processes(seconds: float) -> None:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def separate_processes(seconds: float, rounds: int = 3, baseline: str | None = None) -> None:
+    """wrk against the engine and the gateway(s), in their own processes, in rounds.
+
+    Each round runs wrk against the engine directly, then against the
+    gateway (and against a second gateway run from the ``baseline`` source
+    tree, e.g. ``git archive <commit> src | tar -x -C /tmp/old``), one after
+    the other, so a busy moment on the shared machine hits all of them in
+    turn. Besides the rate it prints each gateway's CPU time per request.
+    """
     if shutil.which("wrk") is None:
         print("--wrk: wrk is not installed (apt-get install wrk); skipped")
         return
-    tailguard = str(Path(sys.executable).with_name("tailguard"))
     with tempfile.TemporaryDirectory() as tmp:
-        gw_port, eng_port = free_port(), free_port()
-        fleet = Path(tmp) / "fleet.yaml"
-        fleet.write_text(f"listen: 127.0.0.1:{gw_port}\nnodes:\n"
-                         f"  - {{id: e0, url: http://127.0.0.1:{eng_port}, gpu: H100, "
-                         f"models: [{MODEL}]}}\n")
+        eng_port = free_port()
         lua = Path(tmp) / "post.lua"
         lua.write_text(WRK_LUA % body(False).decode())
-        procs = [subprocess.Popen([tailguard, "emulate", "--fleet", str(fleet), "--speed", "inf"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                 subprocess.Popen([tailguard, "serve", "--config", str(fleet), "--log-level",
-                                   "warning"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)]
+        trees = {"gateway": str(Path(__file__).resolve().parents[1] / "src")}
+        if baseline:
+            trees["baseline"] = str(Path(baseline).resolve())
+        procs: list[subprocess.Popen[bytes]] = []
+        gateways: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+
+        def spawn(src: str, *args: str) -> subprocess.Popen[bytes]:
+            env = {**os.environ, "PYTHONPATH": src}
+            p = subprocess.Popen([sys.executable, "-m", "tailguard.cli", *args], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            return p
+
         try:
+            for name, src in trees.items():
+                port = free_port()
+                fleet = Path(tmp) / f"{name}.yaml"
+                fleet.write_text(f"listen: 127.0.0.1:{port}\nnodes:\n"
+                                 f"  - {{id: e0, url: http://127.0.0.1:{eng_port}, gpu: H100, "
+                                 f"models: [{MODEL}]}}\n")
+                if not procs:  # one engine for all, from this tree
+                    spawn(trees["gateway"], "emulate", "--fleet", str(fleet), "--speed", "inf")
+                gateways[name] = (port, spawn(src, "serve", "--config", str(fleet),
+                                              "--log-level", "warning"))
             wait_for(eng_port)
-            wait_for(gw_port)
+            for port, _ in gateways.values():
+                wait_for(port)
             time.sleep(1.0)
             path = "/v1/chat/completions"
-            direct = wrk_rate(f"http://127.0.0.1:{eng_port}{path}", lua, seconds)
-            gateway = wrk_rate(f"http://127.0.0.1:{gw_port}{path}", lua, seconds)
-            print(f"wrk, separate processes, 64 connections, non-streaming req/s: direct "
-                  f"{direct:.0f}, gateway {gateway:.0f}, ratio {gateway / direct:.2f}")
+            print(f"wrk, separate processes, 64 connections, non-streaming, {seconds:g} s "
+                  "per target and round (gateway CPU per request in brackets):")
+            for r in range(rounds):
+                direct, _ = wrk_run(f"http://127.0.0.1:{eng_port}{path}", lua, seconds)
+                line = f"  round {r + 1}: direct {direct:,.0f} req/s"
+                for name, (port, proc) in gateways.items():
+                    c0 = cpu_s(proc.pid)
+                    rate, n = wrk_run(f"http://127.0.0.1:{port}{path}", lua, seconds)
+                    us = (cpu_s(proc.pid) - c0) / n * 1e6
+                    line += f" | {name} {rate:,.0f} req/s ({us:.0f} us CPU), ratio {rate / direct:.2f}"
+                print(line + f" | load {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             for p in procs:
                 p.terminate()
@@ -176,6 +218,8 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--wrk", action="store_true", help="also measure with wrk, separate processes")
+    ap.add_argument("--wrk-rounds", type=int, default=3)
+    ap.add_argument("--baseline-src", help="with --wrk: also run a gateway from this src tree")
     args = ap.parse_args()
     try:
         import uvloop
@@ -185,4 +229,4 @@ if __name__ == "__main__":
         pass
     asyncio.run(main(args.requests, args.seconds))
     if args.wrk:
-        separate_processes(args.seconds)
+        separate_processes(args.seconds, args.wrk_rounds, args.baseline_src)
