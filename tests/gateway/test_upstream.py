@@ -20,6 +20,7 @@ from tailguard.gateway.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamDisconnected,
+    UpstreamError,
     UpstreamProtocolError,
 )
 
@@ -229,6 +230,21 @@ def test_server_that_closes_without_answer_and_malformed_answer() -> None:
             with pytest.raises(UpstreamProtocolError):
                 await client.post(url + "/", HEADERS, b"{}")
         client.close()
+
+    asyncio.run(body())
+
+
+def test_header_with_a_line_break_is_refused_before_sending() -> None:
+    async def body() -> None:
+        seen: list[bytes] = []
+        async with server(keepalive(OK_JSON, seen)) as (url, conns):
+            client = UpstreamClient()
+            bad = CIMultiDict({"Authorization": "Bearer x\r\nX-Injected: 1"})
+            with pytest.raises(UpstreamError, match="line break"):
+                await client.post(url + "/", bad, b"{}")
+            await asyncio.sleep(0.05)
+            assert seen == [] and conns[0] == 0
+            client.close()
 
     asyncio.run(body())
 

@@ -295,6 +295,10 @@ class UpstreamPool:
         lines = [f"POST {path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
                  f"Content-Length: {len(body)}\r\n"]
         for k, v in headers.items():
+            if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
+                # Client headers cannot carry one (aiohttp's parser refuses
+                # them); a key from the environment could: never split a request.
+                raise UpstreamError(f"header {k!r} contains a line break")
             lines.append(f"{k}: {v}\r\n")
         lines.append("\r\n")
         head = "".join(lines).encode("utf-8", "surrogateescape")
