@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -179,11 +178,65 @@ def test_webhook_posts_json() -> None:
                              "trigger": "quarantined"}, "token": "t"}]
 
 
-def test_kubernetes_without_the_package_fails_cleanly() -> None:
-    if importlib.util.find_spec("kubernetes") is not None:
-        pytest.skip("the kubernetes package is installed; this checks its absence")
+def test_kubernetes_without_the_package_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # import kubernetes -> ImportError
     ok, detail = asyncio.run(delete_pod("inf", "vllm-1", 5))
     assert not ok and "not installed" in detail
+
+
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: test, cluster: {server: "http://127.0.0.1:%d"}}]
+users: [{name: tg, user: {token: secret-token}}]
+contexts: [{name: test, context: {cluster: test, user: tg}}]
+current-context: test
+"""
+
+
+def test_kubernetes_rule_deletes_the_pod_through_the_api(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real ``kubernetes`` client, from a kubeconfig, against an API server on 127.0.0.1
+    that knows one pod: the quarantine deletes it; a second rule naming a pod that does not
+    exist reports the API's 404 as a failed action."""
+    pytest.importorskip("kubernetes")  # the dev extra installs it
+    calls: list[tuple[str, str, str | None]] = []
+
+    async def delete(request: web.Request) -> web.Response:
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        calls.append((ns, name, request.headers.get("Authorization")))
+        if name != "vllm-1":
+            return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                      "reason": "NotFound", "code": 404,
+                                      "message": f'pods "{name}" not found'}, status=404)
+        return web.json_response({"kind": "Pod", "apiVersion": "v1",
+                                  "metadata": {"name": name, "namespace": ns}})
+
+    async def body() -> list[tuple[str, str]]:
+        app = web.Application()
+        app.router.add_delete("/api/v1/namespaces/{ns}/pods/{name}", delete)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        cfg = tmp_path / "kubeconfig"
+        cfg.write_text(KUBECONFIG % port)
+        monkeypatch.setenv("KUBECONFIG", str(cfg))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a cluster
+        try:
+            rem, _, _, results = make({"rules": [{"on": "quarantined", "kubernetes": {}}]})
+            rem.on_event(quarantined())
+            await rem.stop()
+            ok, detail = await delete_pod("inf", "no-such-pod", 10)
+            assert not ok and "404" in detail and "not found" in detail
+            return results
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(body())
+    assert results == [("kubernetes", "ok")]
+    assert calls[0] == ("inf", "vllm-1", "Bearer secret-token")
+    assert calls[1][:2] == ("inf", "no-such-pod")
 
 
 def test_fleet_file_keys_of_the_straggler_work() -> None:

@@ -55,7 +55,8 @@ def _delete_pod_sync(namespace: str, pod: str) -> str:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # KUBECONFIG as it is now (the client reads it once, at its import).
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     client.CoreV1Api().delete_namespaced_pod(pod, namespace)
     return f"deleted pod {namespace}/{pod}"
 
