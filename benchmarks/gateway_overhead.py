@@ -19,7 +19,7 @@ gateway and engine share this machine's cores, so the absolute numbers are
 pessimistic; compare the two columns.
 
     python benchmarks/gateway_overhead.py [--requests 2000] [--seconds 5]
-        [--wrk [--wrk-rounds 3] [--baseline-src /tmp/old/src]]
+        [--wrk [--wrk-rounds 3] [--baseline-src /tmp/old/src] [--wrk-stream]]
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def wait_for(port: int, timeout: float = 20.0) -> None:
 
 def wrk_run(url: str, lua: Path, seconds: float, conns: int = 64) -> tuple[float, int]:
     """Requests per second and requests completed by ``wrk`` against ``url``."""
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "-s", str(lua), url],
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "30s",
+                          "-s", str(lua), url],
                          capture_output=True, text=True, check=True).stdout
     rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
     done = re.search(r"(\d+) requests in", out)
@@ -150,7 +151,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def separate_processes(seconds: float, rounds: int = 3, baseline: str | None = None) -> None:
+STREAM_TOKENS = 200
+
+
+def separate_processes(seconds: float, rounds: int = 3, baseline: str | None = None,
+                       stream: bool = False) -> None:
     """wrk against the engine and the gateway(s), in their own processes, in rounds.
 
     Each round runs wrk against the engine directly, then against the
@@ -158,14 +163,24 @@ def separate_processes(seconds: float, rounds: int = 3, baseline: str | None = N
     tree, e.g. ``git archive <commit> src | tar -x -C /tmp/old``), one after
     the other, so a busy moment on the shared machine hits all of them in
     turn. Besides the rate it prints each gateway's CPU time per request.
+
+    ``stream``: instead, 256 streams of 200 tokens each through 4 emulated
+    H100s running in real time (tokens arrive one by one, as from an engine),
+    and the gateway's CPU time per streamed token (completed streams only, so
+    slightly high); there is no direct column (the load is spread over nodes).
     """
     if shutil.which("wrk") is None:
         print("--wrk: wrk is not installed (apt-get install wrk); skipped")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        eng_port = free_port()
+        n_nodes = 4 if stream else 1
+        eng_ports = [free_port() for _ in range(n_nodes)]
         lua = Path(tmp) / "post.lua"
-        lua.write_text(WRK_LUA % body(False).decode())
+        req = body(False) if not stream else json.dumps({
+            "model": MODEL, "max_tokens": STREAM_TOKENS, "stream": True,
+            "messages": [{"role": "user", "content": "hello there"}]}).encode()
+        lua.write_text(WRK_LUA % req.decode())
+        conns = 256 if stream else 64
         trees = {"gateway": str(Path(__file__).resolve().parents[1] / "src")}
         if baseline:
             trees["baseline"] = str(Path(baseline).resolve())
@@ -183,28 +198,43 @@ def separate_processes(seconds: float, rounds: int = 3, baseline: str | None = N
             for name, src in trees.items():
                 port = free_port()
                 fleet = Path(tmp) / f"{name}.yaml"
-                fleet.write_text(f"listen: 127.0.0.1:{port}\nnodes:\n"
-                                 f"  - {{id: e0, url: http://127.0.0.1:{eng_port}, gpu: H100, "
-                                 f"models: [{MODEL}]}}\n")
-                if not procs:  # one engine for all, from this tree
-                    spawn(trees["gateway"], "emulate", "--fleet", str(fleet), "--speed", "inf")
+                fleet.write_text(f"listen: 127.0.0.1:{port}\nnodes:\n" + "".join(
+                    f"  - {{id: e{i}, url: http://127.0.0.1:{p}, gpu: H100, models: [{MODEL}]}}\n"
+                    for i, p in enumerate(eng_ports)))
+                if not procs:  # one set of engines for all, from this tree
+                    spawn(trees["gateway"], "emulate", "--fleet", str(fleet),
+                          "--speed", "1" if stream else "inf")
                 gateways[name] = (port, spawn(src, "serve", "--config", str(fleet),
                                               "--log-level", "warning"))
-            wait_for(eng_port)
+            for p in eng_ports:
+                wait_for(p)
             for port, _ in gateways.values():
                 wait_for(port)
             time.sleep(1.0)
             path = "/v1/chat/completions"
-            print(f"wrk, separate processes, 64 connections, non-streaming, {seconds:g} s "
-                  "per target and round (gateway CPU per request in brackets):")
+            if stream:
+                print(f"wrk, separate processes, {conns} streams of {STREAM_TOKENS} tokens, "
+                      f"4 emulated H100 in real time, {seconds:g} s per target and round:")
+            else:
+                print(f"wrk, separate processes, {conns} connections, non-streaming, {seconds:g} s "
+                      "per target and round (gateway CPU per request in brackets):")
             for r in range(rounds):
-                direct, _ = wrk_run(f"http://127.0.0.1:{eng_port}{path}", lua, seconds)
-                line = f"  round {r + 1}: direct {direct:,.0f} req/s"
+                line = f"  round {r + 1}:"
+                direct = 0.0
+                if not stream:
+                    direct, _ = wrk_run(f"http://127.0.0.1:{eng_ports[0]}{path}", lua, seconds)
+                    line += f" direct {direct:,.0f} req/s"
                 for name, (port, proc) in gateways.items():
                     c0 = cpu_s(proc.pid)
-                    rate, n = wrk_run(f"http://127.0.0.1:{port}{path}", lua, seconds)
-                    us = (cpu_s(proc.pid) - c0) / n * 1e6
-                    line += f" | {name} {rate:,.0f} req/s ({us:.0f} us CPU), ratio {rate / direct:.2f}"
+                    rate, n = wrk_run(f"http://127.0.0.1:{port}{path}", lua, seconds, conns)
+                    used = cpu_s(proc.pid) - c0
+                    if stream:
+                        tokens = n * STREAM_TOKENS
+                        line += (f" | {name} {tokens / seconds:,.0f} tokens/s "
+                                 f"({used / tokens * 1e6:.1f} us CPU per token)")
+                    else:
+                        line += (f" | {name} {rate:,.0f} req/s ({used / n * 1e6:.0f} us CPU), "
+                                 f"ratio {rate / direct:.2f}")
                 print(line + f" | load {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             for p in procs:
@@ -220,6 +250,8 @@ if __name__ == "__main__":
     ap.add_argument("--wrk", action="store_true", help="also measure with wrk, separate processes")
     ap.add_argument("--wrk-rounds", type=int, default=3)
     ap.add_argument("--baseline-src", help="with --wrk: also run a gateway from this src tree")
+    ap.add_argument("--wrk-stream", action="store_true",
+                    help="with --wrk: also streamed tokens/s through real-time engines")
     args = ap.parse_args()
     try:
         import uvloop
@@ -230,3 +262,5 @@ if __name__ == "__main__":
     asyncio.run(main(args.requests, args.seconds))
     if args.wrk:
         separate_processes(args.seconds, args.wrk_rounds, args.baseline_src)
+        if args.wrk_stream:
+            separate_processes(args.seconds * 2, args.wrk_rounds, args.baseline_src, stream=True)

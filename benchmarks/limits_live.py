@@ -104,6 +104,17 @@ async def loop_lag(samples: list[float]) -> None:
         samples.append(loop.time() - t - 0.005)
 
 
+async def limit_trace(balancer: Any, out: list[tuple[float, dict[str, tuple[int, int]]]],
+                      every: float = 2.0) -> None:
+    """Each limited node's (limit, permits in use) every ``every`` seconds until cancelled."""
+    t0 = time.monotonic()
+    while True:
+        out.append((round(time.monotonic() - t0, 1),
+                    {n.id: (n.limiter.limit, n.limiter.inflight)
+                     for n in balancer.nodes.values() if n.limiter is not None}))
+        await asyncio.sleep(every)
+
+
 async def one_run(limited: bool, rate: float, duration: float, warmup: float,
                   limit_opts: dict[str, Any]) -> dict[str, Any]:
     emulated = nodes()
@@ -135,8 +146,11 @@ async def one_run(limited: bool, rate: float, duration: float, warmup: float,
                 return await probe_429(gw.url, 20) if limited else []
 
             monitor = asyncio.ensure_future(loop_lag(lag))
+            trace: list[tuple[float, dict[str, tuple[int, int]]]] = []
+            tracer = asyncio.ensure_future(limit_trace(gw.fleet.balancer, trace))
             *_, lat = await asyncio.gather(*(g.run() for g in gens), late_probe())
             monitor.cancel()
+            tracer.cancel()
             limits = {n.id: n.limiter.limit for n in gw.fleet.balancer.nodes.values()
                       if n.limiter is not None}
             queue = gw.fleet.balancer.pools[MODEL].queue
@@ -145,7 +159,7 @@ async def one_run(limited: bool, rate: float, duration: float, warmup: float,
     lag.sort()
     res: dict[str, Any] = {"goodput_rps": 0.0, "rejected": 0, "per_priority": {},
                            "whole_run": {}, "misses": {}, "tpot_p99_by_class": {},
-                           "limits": limits,
+                           "limits": limits, "limit_trace": trace,
                            "probe_429_s": lat, "shed_reasons": reasons,
                            "loop_lag_ms": {"p99": round(lag[int(0.99 * len(lag))] * 1e3, 1),
                                            "max": round(lag[-1] * 1e3, 1)} if lag else {}}
@@ -213,6 +227,11 @@ async def main_async(load: float, duration: float, warmup: float, limit_opts: di
               f"first ones {high[:20]}")
         if r["limits"]:
             print(f"    final limits {r['limits']}; shed by reason {r['shed_reasons']}")
+            ids = sorted(r["limits"])
+            print(f"    limit/in use over time ({', '.join(ids)}):")
+            for t, snap in r["limit_trace"]:
+                cells = " ".join(f"{snap[i][0]:3d}/{snap[i][1]:<3d}" for i in ids if i in snap)
+                print(f"      t={t:5.1f} {cells}")
 
 
 def main() -> None:

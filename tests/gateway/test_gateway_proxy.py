@@ -282,6 +282,10 @@ def test_timeouts() -> None:
             status, raw, _ = await stream_raw(gw, {"model": "m", "messages": MSG, "max_tokens": 3})
             assert status == 200  # the role chunk went out: the error comes in the stream
             assert b'"code": "upstream_timeout"' in raw.split(b"\n\n")[-2]
+            # Tokens 0.12 s apart keep a 0.3 s idle timeout alive past 0.3 s in all.
+            a.behavior.token_delay_s = 0.12
+            status, raw, _ = await stream_raw(gw, {"model": "m", "messages": MSG, "max_tokens": 5})
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
             a.behavior.token_delay_s = 0.3
             status, data, _ = await post(gw, "/v1/chat/completions",
                                          {"model": "m", "messages": MSG, "max_tokens": 5})

@@ -57,6 +57,7 @@ from tailguard.gateway.admission_gate import AdmissionGate, shed_response
 from tailguard.gateway.api_errors import NODE_HEADER, error_response, sse_error_event
 from tailguard.gateway.config import NodeConfig, PoolSettings, Timeouts
 from tailguard.gateway.hedge import GatewayHedging, Send
+from tailguard.gateway.idle import IdleTimeout
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import REQUEST_ID_HEADER, note, request_id
 from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
@@ -377,8 +378,7 @@ class Proxy:
         idle = to.idle_s
         error: tuple[Outcome, int, str, str] | None = None
         try:
-            timer = asyncio.timeout_at(min(deadline, loop.time() + idle))
-            async with timer:
+            async with IdleTimeout(loop, idle, deadline) as watchdog:
                 while True:
                     chunk = await resp.readany()
                     if not chunk:
@@ -388,12 +388,11 @@ class Proxy:
                         max_gap = now - last
                     last = now
                     counter.feed(chunk)
+                    watchdog.touch()
                     try:
                         await out.write(chunk)
                     except ConnectionError as exc:
                         raise _ClientGone from exc
-                    when = loop.time() + idle
-                    timer.reschedule(when if when < deadline else deadline)
         except _ClientGone:
             self.metrics.request_done(req.model, CLIENT_CLOSED)
             return Outcome.CLIENT_CANCELLED, counter.output_tokens(), out

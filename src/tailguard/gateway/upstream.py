@@ -82,11 +82,15 @@ class UpstreamResponse:
         return raw.partition(";")[0].strip().lower()
 
     async def readany(self) -> bytes:
-        """The body bytes that arrived since the last call; ``b""`` at the end."""
+        """All body bytes that arrived since the last call; ``b""`` at the end."""
         while True:
-            if self._chunks:
-                chunk = self._chunks.popleft()
-                if not self._chunks and self._conn is not None:
+            chunks = self._chunks
+            if chunks:
+                # Everything that arrived, at once: a proxy that fell behind
+                # catches up with one write instead of one per chunk.
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                if self._conn is not None:
                     self._conn.resume()
                 return chunk
             if self._exc is not None:
