@@ -8,7 +8,8 @@ without limits, then with ``limits: {kind: gradient}`` + ``admission``.
 Every engine gets the plan's chunked-prefill budget in both runs. While the
 limited run is overloaded it also times 429s (low-priority probes). Prints
 goodput, per-GPU-class P99 TPOT of admitted requests, per-priority
-attainment and the 429 latency. Asserts nothing.
+attainment, the 429 latency and each node's limit and permits in use every
+2 s. Asserts nothing.
 
 As in the simulator's results, statistics count the requests that arrive
 after ``--warmup`` (default: a fifth of the run, the simulator benchmark's

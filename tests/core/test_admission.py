@@ -219,6 +219,29 @@ def test_a_long_prompt_backlog_holds_requests_in_the_queue() -> None:
     assert isinstance(again, Ticket)
 
 
+def test_the_ttft_check_prices_a_prompt_at_chunked_prefill_beside_decodes() -> None:
+    # An L4 alone prefills 4000 tokens in 0.81 s (roofline). With 16
+    # sequences decoding, a step that keeps the TPOT target (0.9 x 0.1 s)
+    # carries at most 439 prompt tokens: ceil(4000 / 439) = 10 steps, 0.9 s.
+    def l4() -> Balancer:
+        specs = [NodeSpec("a", DEFAULT_CATALOG.gpu("L4"), "L4", models=(MODEL,))]
+        pool = PoolConfig(MODEL, "least_request", slo=Slo(1.0, 0.1),
+                          limits=LimitConfig(kind="fixed", initial=40),
+                          admission=AdmissionConfig())
+        return Balancer(specs, [pool], random.Random(0))
+
+    assert isinstance(l4().admit(MODEL, 4000, 0.0, ttft_s=0.85), Ticket)
+    b = l4()
+    running = [b.admit(MODEL, 100, 0.0) for _ in range(16)]
+    for t in running:
+        assert isinstance(t, Ticket)
+        b.on_first_token(t, 0.5)
+    assert b.nodes["a"].prefill_backlog == 0
+    assert isinstance(b.admit(MODEL, 4000, 0.6, ttft_s=0.85), Waiter)
+    # 7 steps, 0.63 s: in time (high, so it does not queue behind the waiter).
+    assert isinstance(b.admit(MODEL, 3000, 0.6, priority=0, ttft_s=0.85), Ticket)
+
+
 def test_reload_keeps_queued_requests_and_in_flight_permits() -> None:
     b = _balancer()
     running = b.admit(MODEL, 100, 0.0)

@@ -207,6 +207,9 @@ def test_planned_initial_limits_follow_the_hardware() -> None:
 def test_gradient_slow_start_doubles_per_round_trip_until_a_window_over_target() -> None:
     g = GradientLimit(40, 0.09, 1.0, update_every=10, floor_tpot=0.075, start=8)
     assert g.limit == 8 and g.slow_start and g.ssthresh == 40
+    for _ in range(8):  # the first wave: not judged (see the next test)
+        g.on_sample(0.0, 0.08, 0.5, 8, False)
+    assert g.limit == 8 and g.slow_start
     for _ in range(8):  # one round trip of the 8 permits, all within target
         g.on_sample(0.0, 0.08, 0.5, 8, False)
     assert g.limit == 16 and g.slow_start
@@ -217,12 +220,29 @@ def test_gradient_slow_start_doubles_per_round_trip_until_a_window_over_target()
     assert g.estimate == pytest.approx(17 * 0.8 + 17 * (0.015 / 0.02) * 0.2)
     # Slow start ends at its threshold; a drop ends it too.
     h = GradientLimit(12, 0.09, 1.0, start=10)
-    for _ in range(5):
+    for _ in range(15):  # the wave of 10, then 2 to the threshold
         h.on_sample(0.0, 0.05, 0.5, 12, False)
     assert h.limit == 12 and not h.slow_start
     d = GradientLimit(40, 0.09, 1.0, start=10)
     d.on_sample(0.0, 0.0, 0.0, 10, True)
     assert not d.slow_start and d.estimate == pytest.approx(9.0)
+
+
+def test_gradient_slow_start_does_not_judge_the_first_wave() -> None:
+    # The first 10 permits were taken at once: their prompts prefilled
+    # together, so their TTFT and TPOT are over target. Slow start neither
+    # grows on them nor ends on them; the next round trip is judged.
+    g = GradientLimit(40, 0.09, 0.9, update_every=10, floor_tpot=0.075, start=10)
+    for _ in range(10):
+        g.on_sample(0.0, 0.095, 1.2, 10, False)
+    assert g.limit == 10 and g.slow_start
+    for _ in range(10):
+        g.on_sample(0.0, 0.08, 0.5, 10, False)
+    assert g.limit == 20 and g.slow_start
+    # Over target after the wave does end it.
+    for _ in range(10):
+        g.on_sample(0.0, 0.095, 0.5, 20, False)
+    assert not g.slow_start and g.limit < 20
 
 
 def test_cold_start_burst_fills_a_node_no_faster_than_it_drains() -> None:
@@ -251,11 +271,11 @@ def test_cold_start_burst_fills_a_node_no_faster_than_it_drains() -> None:
     b, got = burst(True)
     lim = b.nodes["l"].limiter
     assert lim is not None and lim.ceiling == 33 and lim.limit == 16 == b.nodes["l"].in_flight
-    # Each request that finishes within target frees its permit and adds one.
+    # The first wave's finishes free their permits but add none (not judged).
     first = next(t for t in got if isinstance(t, Ticket))
     b.on_finish(first, first.t_first + 55 * 0.08, Outcome.OK, 56)
-    assert lim.limit == 17 and b.nodes["l"].in_flight == 15
+    assert lim.limit == 16 and b.nodes["l"].in_flight == 15
     now = first.t_first + 4.5
     b.poll_queue(now)  # the burst's leftovers expired at their deadline
-    after = [b.admit(MODEL, 700, now) for _ in range(3)]
-    assert [isinstance(x, Ticket) for x in after] == [True, True, False]
+    after = [b.admit(MODEL, 700, now) for _ in range(2)]
+    assert [isinstance(x, Ticket) for x in after] == [True, False]

@@ -167,6 +167,8 @@ class Balancer:
         # Non-streamed tickets by the time their prompt is presumed prefilled.
         self._presumed: list[tuple[float, int, Ticket]] = []
         self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
+        # (node, sequences decoding, context / 64) -> the TPOT target's prefill chunk
+        self._chunk_cache: dict[tuple[str, int, int], int] = {}
         # Called (no arguments) when queue decisions await poll_queue: lets an
         # event-loop driver wake its queued requests without polling.
         self.on_queue_decision: Callable[[], None] | None = None
@@ -557,7 +559,7 @@ class Balancer:
             # is headed for, so it does not shrink while slow start ramps.
             full = (lim is not None and share < 1.0
                     and lim.inflight >= lim.limit - (1.0 - share) * lim.ceiling)
-            if full or prefill_s(n.perf, n.prefill_backlog, prompt_tokens) * slow > budget:
+            if full or self._backlog_prefill_s(pool, n, prompt_tokens) > budget:
                 if out is None:
                     out = list(exclude)
                 out.append(n.id)
@@ -569,6 +571,35 @@ class Balancer:
                 out = list(exclude)
             out.extend(hopeless)
         return exclude if out is None else out
+
+    def _backlog_prefill_s(self, pool: Pool, n: Node, prompt_tokens: int) -> float:
+        """Time to prefill ``n``'s prompt backlog and this prompt, for the TTFT check.
+
+        The roofline's prefill times the class's learned slowdown, but never
+        faster than chunked prefill allows: with ``d`` sequences decoding, a
+        step that keeps the TPOT target carries at most the chunk
+        :meth:`PerfModel.chunk_budget_for_tpot` gives, so the backlog takes
+        ``ceil(tokens / chunk)`` such steps. The slowdown learned from a cold
+        node's first wave (prefilled alone, no decodes) cannot see this.
+        """
+        tokens = n.prefill_backlog + prompt_tokens
+        t = prefill_s(n.perf, n.prefill_backlog, prompt_tokens) * n.class_prefill_slowdown
+        decoding = n.in_flight - n.prefilling
+        if decoding <= 0:
+            return t
+        cfg = pool.config
+        step = (cfg.limits.target if cfg.limits is not None else 0.9) * cfg.slo.tpot_s
+        ctx = pool.mean_prompt + pool.mean_output * 0.5
+        key = (n.id, decoding, int(ctx) >> 6)
+        chunk = self._chunk_cache.get(key)
+        if chunk is None:
+            chunk = n.perf.chunk_budget_for_tpot(step, decoding, ctx)
+            if len(self._chunk_cache) > 4096:
+                self._chunk_cache.clear()
+            self._chunk_cache[key] = chunk
+        if chunk <= 0:
+            return t
+        return max(t, math.ceil(tokens / chunk) * step)
 
     def _release_permit(self, ticket: Ticket, now: float, outcome: Outcome,
                         output_tokens: int) -> None:

@@ -63,10 +63,16 @@ every round trip of its permits) until it reaches the plan (the threshold), a
 window's percentile goes over target (the gradient rule then cuts from where
 slow start got to) or a drop. Starting at the plan, a cold fleet admits a
 whole plan's worth of prompts at once: their prefill fills every engine step
-for seconds, and the first requests miss TTFT and TPOT. A reloaded node keeps
-no slow start (it is warm). The partitioned reserve of higher priorities is
-sized on the threshold (:attr:`Limiter.ceiling`), so it does not shrink while
-the limit ramps.
+for seconds, and the first requests miss TTFT and TPOT. The first wave (the
+``start`` permits taken at once) is not judged: its prompts prefilled
+together, which never recurs while permits free one at a time, so its
+latencies neither grow the limit nor end slow start and do not enter the
+windows; only a drop does. (Judged, the wave ended slow start on an A100
+after 4 s at about half its plan, from where the gradient's growth took ~60 s
+to reach its resting point.) A reloaded node keeps no slow start (it is
+warm). The partitioned reserve of higher priorities is sized on the
+threshold (:attr:`Limiter.ceiling`), so it does not shrink while the limit
+ramps.
 
 The initial limit comes from the roofline model (:func:`planned_limit`): the
 largest batch whose step time, including its share of chunked prefill,
@@ -180,8 +186,8 @@ class AimdLimit:
 class GradientLimit:
     """Gradient2-style limit on a recent high percentile of TPOT and TTFT against their targets."""
 
-    __slots__ = ("_estimate", "_growth_scale", "_min_tpot", "_n", "_tpots", "_ttfts", "backoff",
-                 "floor_tpot", "max_limit", "min_limit", "percentile", "smoothing",
+    __slots__ = ("_estimate", "_growth_scale", "_min_tpot", "_n", "_tpots", "_ttfts", "_wave",
+                 "backoff", "floor_tpot", "max_limit", "min_limit", "percentile", "smoothing",
                  "ssthresh", "target_tpot", "target_ttft", "update_every", "window")
 
     def __init__(self, initial: int, target_tpot: float, target_ttft: float, *,
@@ -195,9 +201,11 @@ class GradientLimit:
         # Slow start: from ``start`` up to ``initial`` (the threshold), +1 per
         # sample within target, until a window over target or a drop.
         self.ssthresh = 0.0
+        self._wave = 0  # samples of the cold start's first wave still to come
         if start is not None and start < self._estimate:
             self.ssthresh = self._estimate
             self._estimate = float(max(start, min_limit))
+            self._wave = int(self._estimate)
         self.target_tpot, self.target_ttft = target_tpot, target_ttft
         self.window, self.update_every = window, update_every
         self.smoothing, self.backoff = smoothing, backoff
@@ -237,10 +245,16 @@ class GradientLimit:
             self.ssthresh = 0.0
             self._estimate = max(float(self.min_limit), self._estimate * self.backoff)
             return
+        if tpot > 0.0 and tpot < self._min_tpot:
+            self._min_tpot = tpot
+        if self._wave > 0:
+            # The first wave's prompts all arrived at once and prefilled
+            # together, which never recurs while permits free one at a time:
+            # its latencies describe that burst, not the batch.
+            self._wave -= 1
+            return
         if tpot > 0.0:
             _push(self._tpots, tpot, self.window)
-            if tpot < self._min_tpot:
-                self._min_tpot = tpot
         if ttft > 0.0:
             _push(self._ttfts, ttft, self.window)
         if self.ssthresh > 0.0 and tpot <= self.target_tpot and ttft <= self.target_ttft \
