@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from tailguard.emulator import EmulatedNode, run_emulator
-from tailguard.gateway.app import RunningGateway, run_gateway
+from tailguard.gateway.app import PROXY, RunningGateway, run_gateway
 from tailguard.gateway.config import parse_fleet
 
 MODEL = "llama-3.1-8b"
@@ -202,6 +202,48 @@ def test_hedge_races_a_stalled_node(monkeypatch: pytest.MonkeyPatch) -> None:
                 async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
                     text = await r.text()
                 assert 'tailguard_hedges_total{pool="llama-3.1-8b",result="won"} 3.0' in text
+                await emulator_fault(emu.urls["a0"], None)
+
+    asyncio.run(body())
+
+
+def test_hedge_with_the_learned_per_request_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default hedging (no fixed delay): after warm-up traffic the delay is learned from
+    the class's TTFTs (expected TTFT x the learned p95 of observed/expected, capped by the
+    class's p95), and a stalled node's streams are still answered by their hedges."""
+    monkeypatch.setenv("TG_STRAGGLER_TOKEN", TOKEN)
+
+    async def stream(gw: RunningGateway) -> tuple[float, str]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 4, "stream": True}
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s, \
+                s.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readany()
+            ttft = time.monotonic() - t0
+            assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+            return ttft, r.headers["x-tailguard-node"]
+
+    async def body() -> None:
+        nodes = [EmulatedNode(n, "A100-80GB") for n in ("a0", "a1")]
+        async with run_emulator(nodes, speed=4) as emu:
+            doc = fleet_doc(emu.urls, outliers={"enabled": False})
+            doc["pools"][MODEL].update(policy="round_robin",
+                                       hedging={"enabled": True, "budget": 1.0})
+            async with run_gateway(parse_fleet(doc)) as gw:
+                for _ in range(30):  # warm-up: the hedger learns the class's TTFTs
+                    await stream(gw)
+                hedger = gw.app[PROXY].hedging.hedger(MODEL)
+                assert hedger is not None
+                after = hedger.hedge_after("A100-80GB")
+                assert after is not None and after < 1.0  # learned, not a fixed value
+                await emulator_fault(emu.urls["a0"], {"kind": "stall", "seconds": 20})
+                results = await asyncio.gather(*(stream(gw) for _ in range(6)))
+                assert {n for _, n in results} == {"a1"}
+                assert max(t for t, _ in results) < 2.0
+                bal = gw.fleet.balancer
+                assert bal.nodes["a0"].in_flight == 0 and bal.nodes["a1"].in_flight == 0
                 await emulator_fault(emu.urls["a0"], None)
 
     asyncio.run(body())
