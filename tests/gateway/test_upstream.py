@@ -149,6 +149,35 @@ def test_close_delimited_body_and_connection_close_are_not_reused() -> None:
     asyncio.run(body())
 
 
+def test_bytes_nobody_asked_for_make_the_connection_unusable() -> None:
+    # Half of an answer nobody asked for, while the connection is idle: reused,
+    # the next request's answer would be read as the rest of it.
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nst"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(OK_JSON)
+        await writer.drain()
+        if n == 1:  # the first connection misbehaves
+            await asyncio.sleep(0.02)
+            writer.write(stray)
+            await writer.drain()
+        await keepalive(OK_JSON)(reader, writer, n)
+
+    async def body() -> None:
+        async with server(handle) as (url, conns):
+            client = UpstreamClient()
+            for _ in range(3):
+                resp = await client.post(url + "/", HEADERS, b"{}")
+                assert resp.status == 200 and await resp.read() == OK_BODY
+                resp.release()
+                await asyncio.sleep(0.1)
+            assert conns[0] == 2  # the out-of-step connection was closed, the next one reused
+            client.close()
+
+    asyncio.run(body())
+
+
 def test_informational_answer_is_skipped() -> None:
     answer = b"HTTP/1.1 100 Continue\r\n\r\n" + OK_JSON
     async def body() -> None:

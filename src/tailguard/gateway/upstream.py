@@ -169,6 +169,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.idle_since = 0.0
         self.closed = False
+        self.unusable = False  # out of step with the server: close instead of reusing
 
     # -- asyncio.Protocol ----------------------------------------------------------
 
@@ -177,6 +178,9 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.head is None:  # bytes on an idle connection: out of step
+            self.abort()
+            return
         self.received = True
         try:
             self.parser.feed_data(data)
@@ -207,15 +211,20 @@ class _Connection(asyncio.Protocol):
         if status < 200:  # 100 Continue and friends: the real answer follows
             self._headers = CIMultiDict()
             return
+        head = self.head
+        if head is None or head.done():
+            # An answer nobody asked for (a second one, or one on an idle
+            # connection): the stream is out of step; never reuse it.
+            self.unusable = True
+            self._headers = CIMultiDict()
+            return
         resp = self.response = UpstreamResponse(self, status, self._headers)
         self._headers = CIMultiDict()
-        head = self.head
-        if head is not None and not head.done():
-            head.set_result(resp)
+        head.set_result(resp)
 
     def on_body(self, body: bytes) -> None:
         resp = self.response
-        if resp is None:
+        if resp is None or resp._done:
             return
         resp._feed(body)
         self.buffered += len(body)
@@ -225,7 +234,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         resp = self.response
-        if resp is None:
+        if resp is None or resp._done:
             return
         resp._finish(self.parser.should_keep_alive())
 
@@ -265,6 +274,8 @@ class _Connection(asyncio.Protocol):
         self.head = None
         self.response = None
         self.resume()
+        if self.unusable:
+            self.abort()
         if self.closed:
             return
         self.idle_since = time.monotonic()
@@ -330,7 +341,8 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: warmest, least likely timed out
-            if conn.closed or now - conn.idle_since > self.keepalive_s:
+            if (conn.closed or now - conn.idle_since > self.keepalive_s
+                    or conn.transport is None or conn.transport.is_closing()):
                 conn.abort()
                 continue
             return conn
