@@ -7,9 +7,11 @@ import json
 import random
 from typing import Any
 
-from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.admission import AdmissionConfig, Waiter
+from tailguard.core.balancer import Balancer, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
 from tailguard.core.replay import replay
@@ -74,3 +76,60 @@ def test_replay_uses_the_recorded_detector_settings() -> None:
     assert log[0]["outliers"]["interval_s"] == 1.0
     assert any(r["op"] == "events" for r in log)  # the detector acted during the run
     assert replay(log).differences == []
+
+
+def drive_admission(seed: int) -> list[dict[str, Any]]:
+    """An overloaded pool with limits and a queue: tickets, queue places, 429s,
+    dispatches from the queue, cancelled waiters, all recorded."""
+    log: list[dict[str, Any]] = []
+    specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(g), DEFAULT_CATALOG.gpu(g).name,
+                      models=(MODEL,)) for i, g in enumerate(["A100", "L4", "L4"])]
+    pool = PoolConfig(MODEL, "tailguard", {}, Slo(1.0, 0.1),
+                      limits=LimitConfig(kind="gradient"),
+                      admission=AdmissionConfig(queue_max=16))
+    b = Balancer(specs, [pool], random.Random(seed), recorder=log.append)
+    rng = random.Random(seed + 1)
+    running: list[tuple[float, Ticket]] = []  # (finish time, ticket)
+    waiting: list[Waiter] = []
+    now = 0.0
+    for step in range(1500):
+        now += rng.expovariate(60.0)  # far more than 1 A100 + 2 L4 serve
+        for fin, t in sorted(running, key=lambda x: x[0]):
+            if fin <= now:
+                running.remove((fin, t))
+                b.on_first_token(t, max(t.t_dispatch, fin - 1.0))
+                b.on_finish(t, fin, Outcome.OK, rng.randint(20, 120))
+        got = b.admit(MODEL, rng.randint(100, 2000), now, priority=rng.choice([0, 1, 1, 2]))
+        if isinstance(got, Ticket):
+            running.append((now + rng.uniform(1.0, 6.0), got))
+        elif isinstance(got, Waiter):
+            waiting.append(got)
+        if step % 5 == 0:
+            for w, d in b.poll_queue(now):
+                if w in waiting:
+                    waiting.remove(w)
+                if isinstance(d, Ticket):
+                    running.append((now + rng.uniform(1.0, 6.0), d))
+        if waiting and rng.random() < 0.05:
+            w = waiting.pop(rng.randrange(len(waiting)))
+            b.cancel_queued(w)  # its client went away
+        if step % 50 == 0:
+            b.tick(now)
+    return [json.loads(json.dumps(r)) for r in log]
+
+
+def test_replay_reproduces_admission_decisions() -> None:
+    log = drive_admission(seed=3)
+    ops = {r["op"] for r in log}
+    assert {"admit", "poll_queue", "cancel_queued"} <= ops and "pick" not in ops
+    results = [r["result"] for r in log if r["op"] == "admit"]
+    assert any("ticket" in r for r in results)
+    assert any("queued" in r for r in results)
+    assert any("shed" in r for r in results)
+    assert any(d for r in log if r["op"] == "poll_queue" for d in r["decisions"])
+    res = replay(log)
+    assert res.differences == [], res.differences[:3]
+    # A recorded 429 that the replay would not give is reported.
+    i = next(i for i, r in enumerate(log) if r["op"] == "admit" and "shed" in r["result"])
+    log[i] = {**log[i], "result": {"shed": "made_up"}}
+    assert any(d["op"] == "admit" and d["record"] == i for d in replay(log).differences)

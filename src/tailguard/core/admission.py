@@ -88,11 +88,11 @@ class Waiter:
     """A queued request: what the balancer needs to place it later, plus the driver's data."""
 
     __slots__ = ("arrival", "deadline", "exclude", "max_tokens", "model", "payload",
-                 "priority", "prompt_tokens", "seq", "size_bytes", "state")
+                 "priority", "prompt_tokens", "seq", "size_bytes", "state", "wid")
 
     def __init__(self, model: str, prompt_tokens: int, max_tokens: int | None, priority: int,
                  arrival: float, deadline: float, size_bytes: int = 0,
-                 exclude: Sequence[str] = (), payload: Any = None) -> None:
+                 exclude: Sequence[str] = (), payload: Any = None, wid: int = 0) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -103,6 +103,7 @@ class Waiter:
         self.exclude = tuple(exclude)
         self.payload = payload
         self.seq = 0
+        self.wid = wid  # the balancer's sequence number: names it in recordings
         self.state = "queued"  # queued | dispatched | shed | cancelled
 
     def key(self) -> tuple[int, float, int]:

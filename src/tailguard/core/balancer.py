@@ -138,6 +138,17 @@ class Pool:
         self._eligible = None
 
 
+def decision_dict(got: Ticket | Waiter | Shed | None) -> dict[str, Any]:
+    """An admission decision as a recording holds it."""
+    if isinstance(got, Ticket):
+        return {"ticket": got.id, "node": got.node_id}
+    if isinstance(got, Waiter):
+        return {"queued": got.wid}
+    if isinstance(got, Shed):
+        return {"shed": got.reason}
+    return {"none": True}
+
+
 class Balancer:
     """Routes requests to nodes and keeps the fleet's live accounting."""
 
@@ -164,6 +175,10 @@ class Balancer:
         self._order = 0
         self._last_tick = -1.0
         self._ticket_seq = 0
+        self._waiter_seq = 0
+        # > 0 while admit/poll_queue decide: their inner picks are part of the
+        # decision they record, not records of their own.
+        self._quiet = 0
         # Non-streamed tickets by the time their prompt is presumed prefilled.
         self._presumed: list[tuple[float, int, Ticket]] = []
         self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
@@ -301,7 +316,7 @@ class Balancer:
             node_id = pool.policy.choose(nodes, req, now, self.rng)
         if node_id is not None:
             self._ticket_seq += 1
-        if self.recorder is not None:
+        if self.recorder is not None and not self._quiet:
             self.recorder({"t": now, "op": "pick", "model": model, "prompt_tokens": prompt_tokens,
                            "max_tokens": max_tokens, "priority": priority,
                            "exclude": list(exclude), "node": node_id,
@@ -450,6 +465,23 @@ class Balancer:
         is the driver's own handle for it. ``ttft_s`` overrides the pool's
         TTFT SLO for the deadline (header ``x-slo-ttft-ms``).
         """
+        if self.recorder is None:
+            return self._admit(model, prompt_tokens, now, max_tokens, priority, exclude, ttft_s,
+                               size_bytes, payload)
+        self._quiet += 1
+        try:
+            got = self._admit(model, prompt_tokens, now, max_tokens, priority, exclude, ttft_s,
+                              size_bytes, payload)
+        finally:
+            self._quiet -= 1
+        self.recorder({"t": now, "op": "admit", "model": model, "prompt_tokens": prompt_tokens,
+                       "max_tokens": max_tokens, "priority": priority, "exclude": list(exclude),
+                       "ttft_s": ttft_s, "size_bytes": size_bytes, "result": decision_dict(got)})
+        return got
+
+    def _admit(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None,
+               priority: int, exclude: Sequence[str], ttft_s: float | None, size_bytes: int,
+               payload: Any) -> Ticket | Waiter | Shed | None:
         if self._presumed and self._presumed[0][0] <= now:
             self._settle_presumed(now)
         pool = self.pools.get(model)
@@ -471,8 +503,9 @@ class Balancer:
             return None
         if queue is None:
             return Shed("no_capacity", 1.0)
+        self._waiter_seq += 1
         waiter = Waiter(model, prompt_tokens, max_tokens, priority, now, deadline, size_bytes,
-                        exclude, payload)
+                        exclude, payload, self._waiter_seq)
         shed, displaced = queue.offer(waiter, now)
         for w in displaced:
             self._queue_decisions.append((w, Shed("displaced", queue.retry_after(now))))
@@ -493,10 +526,15 @@ class Balancer:
         for pool in self.pools.values():
             if pool.queue is not None and pool.queue.length:
                 self._drain(pool, now, out, scan=True)
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "poll_queue", "decisions": [
+                {"waiter": w.wid, **decision_dict(d)} for w, d in out]})
         return out
 
     def cancel_queued(self, waiter: Waiter) -> bool:
         """The client left while queued: drop it now. False if no longer queued."""
+        if self.recorder is not None:
+            self.recorder({"op": "cancel_queued", "waiter": waiter.wid})
         pool = self.pools.get(waiter.model)
         return pool is not None and pool.queue is not None and pool.queue.cancel(waiter)
 
@@ -516,7 +554,11 @@ class Balancer:
                 continue
             avoid = self._unsuitable(pool, w.prompt_tokens, w.priority, w.deadline - now,
                                      w.exclude, now)
-            ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid)
+            self._quiet += 1  # recorded with the decision, by poll_queue
+            try:
+                ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid)
+            finally:
+                self._quiet -= 1
             if ticket is None:
                 return
             queue.pop()

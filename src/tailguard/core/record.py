@@ -7,7 +7,12 @@ input it receives to it as a plain dict (JSON-ready), in order, each with the
 ``init``        the routing RNG's state and the model parameters
 ``add_pool``    ``replace_pool``  ``add_node``  ``remove_node``  ``set_state``
 ``pick``        the request's inputs and the node chosen (``ticket`` numbers it)
-``first_token`` ``finish``   for a ticket
+``admit``       the same for a pool with limits/admission, and its ``result``: a
+                ticket and node, a queue place (``queued``: the waiter's number),
+                a ``shed`` reason, or ``none``
+``poll_queue``  the queued requests dispatched (ticket, node) or shed since the last
+``cancel_queued`` a queued request whose client left
+``first_token`` ``no_first_token`` ``finish``   for a ticket
 ``engine_metrics`` ``tick``  and ``events`` (what a tick decided)
 
 Replaying the same inputs into a fresh balancer must give the same decisions

@@ -4,7 +4,8 @@ See :mod:`tailguard.core.record` for the format. The replayer applies each
 recorded input with its recorded ``now`` to a new
 :class:`~tailguard.core.balancer.Balancer` whose routing RNG starts in the
 recorded state, and compares what it decides (the node of each ``pick``, the
-events of each ``tick``) with what was recorded. Zero differences means the
+ticket, queue place or 429 of each ``admit``, the dispatches and sheds each
+``poll_queue`` returns, the events of each ``tick``) with what was recorded. Zero differences means the
 recorded run's decisions are exactly reproducible offline.
 """
 
@@ -14,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailguard.core.balancer import Balancer, PoolConfig, Ticket
+from tailguard.core.admission import Waiter
+from tailguard.core.balancer import Balancer, PoolConfig, Ticket, decision_dict
 from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
 from tailguard.core.outliers import OutlierConfig
@@ -32,6 +34,7 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
     out = ReplayResult()
     balancer: Balancer | None = None
     tickets: dict[int, Ticket] = {}
+    waiters: dict[int, Waiter] = {}  # queued requests by the recording's waiter id
     # Events of the last replayed tick, until the recording says what it had
     # (an "events" record follows a tick only when the tick decided something).
     pending: tuple[int, float, list[dict[str, Any]]] | None = None
@@ -57,6 +60,7 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
                                 outliers=from_jsonable(OutlierConfig, outliers)
                                 if outliers is not None else None)
             tickets.clear()
+            waiters.clear()
             continue
         if balancer is None:
             raise ValueError(f"record {i}: {op!r} before 'init'")
@@ -82,6 +86,36 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
                                         "recorded": rec["node"], "replayed": got})
             if ticket is not None and rec.get("ticket") is not None:
                 tickets[rec["ticket"]] = ticket
+        elif op == "admit":
+            admitted = balancer.admit(rec["model"], rec["prompt_tokens"], rec["t"],
+                                 rec.get("max_tokens"), rec.get("priority", 1),
+                                 tuple(rec.get("exclude", ())), rec.get("ttft_s"),
+                                 rec.get("size_bytes", 0))
+            out.decisions += 1
+            replayed = decision_dict(admitted)
+            if replayed != rec["result"]:
+                out.differences.append({"record": i, "op": "admit", "t": rec["t"],
+                                        "recorded": rec["result"], "replayed": replayed})
+            if isinstance(admitted, Ticket) and "ticket" in rec["result"]:
+                tickets[rec["result"]["ticket"]] = admitted
+            elif isinstance(admitted, Waiter) and "queued" in rec["result"]:
+                waiters[rec["result"]["queued"]] = admitted
+        elif op == "poll_queue":
+            decisions = balancer.poll_queue(rec["t"])
+            out.decisions += 1
+            replayed_list = [{"waiter": w.wid, **decision_dict(d)} for w, d in decisions]
+            if replayed_list != rec["decisions"]:
+                out.differences.append({"record": i, "op": "poll_queue", "t": rec["t"],
+                                        "recorded": rec["decisions"],
+                                        "replayed": replayed_list})
+            for (w, d), recorded in zip(decisions, rec["decisions"], strict=False):
+                waiters.pop(w.wid, None)
+                if isinstance(d, Ticket) and "ticket" in recorded:
+                    tickets[recorded["ticket"]] = d
+        elif op == "cancel_queued":
+            waiter = waiters.pop(rec["waiter"], None)
+            if waiter is not None:
+                balancer.cancel_queued(waiter)
         elif op == "first_token":
             t = tickets.get(rec["ticket"])
             if t is not None:

@@ -726,13 +726,17 @@ def read_trace(path: str | Path, where: str = "trace") -> Requests:
 def requests_from_recording(text: str, where: str, file: Path) -> Requests:
     """The requests a live gateway saw, from its ``--record`` file.
 
-    Each first attempt (a ``pick`` without excluded nodes) is one arrival, at
-    its time relative to the first one, with its prompt length; its answer
-    length is what the finish reported when it succeeded, else its
-    ``max_tokens``, else the median of the successful answers.
+    Each first attempt (a ``pick`` or an ``admit`` without excluded nodes,
+    admitted, queued or shed alike) is one arrival, at its time relative to the
+    first one, with its prompt length; its answer length is what the finish
+    of its ticket (for a queued request: the ticket ``poll_queue`` dispatched
+    it with) reported when it succeeded, else its ``max_tokens``, else the
+    median of the successful answers.
     """
-    picks: list[tuple[float, int, int | None, int | None]] = []  # t, prompt, max, ticket
+    # t, prompt, max_tokens, ticket, waiter
+    picks: list[tuple[float, int, int | None, int | None, int | None]] = []
     outputs: dict[int, int] = {}
+    dispatched: dict[int, int] = {}  # waiter -> ticket
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -743,7 +747,15 @@ def requests_from_recording(text: str, where: str, file: Path) -> Requests:
         op = rec.get("op")
         if op == "pick" and not rec.get("exclude"):
             picks.append((float(rec["t"]), int(rec["prompt_tokens"]), rec.get("max_tokens"),
-                          rec.get("ticket")))
+                          rec.get("ticket"), None))
+        elif op == "admit" and not rec.get("exclude"):
+            result = rec.get("result") or {}
+            picks.append((float(rec["t"]), int(rec["prompt_tokens"]), rec.get("max_tokens"),
+                          result.get("ticket"), result.get("queued")))
+        elif op == "poll_queue":
+            for d in rec.get("decisions", ()):
+                if "ticket" in d:
+                    dispatched[int(d["waiter"])] = int(d["ticket"])
         elif op == "finish" and rec.get("outcome") == "ok" and rec.get("output_tokens", 0) > 0:
             outputs[int(rec["ticket"])] = int(rec["output_tokens"])
     if not picks:
@@ -753,7 +765,9 @@ def requests_from_recording(text: str, where: str, file: Path) -> Requests:
     picks.sort(key=lambda p: p[0])
     t0 = picks[0][0]
     arrivals, prompts, answers = [], [], []
-    for t, prompt, max_tokens, ticket in picks:
+    for t, prompt, max_tokens, ticket, waiter in picks:
+        if ticket is None and waiter is not None:
+            ticket = dispatched.get(waiter)
         arrivals.append(t - t0)
         prompts.append(max(1, prompt))
         out = outputs.get(ticket) if ticket is not None else None
