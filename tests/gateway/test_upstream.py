@@ -340,7 +340,9 @@ def test_slow_reader_pauses_the_engine_side() -> None:
             client = UpstreamClient()
             resp = await client.post(url + "/", HEADERS, b"{}")
             await asyncio.sleep(0.5)  # nobody reads: the client stops reading the socket
-            assert sent[0] < total
+            conn = resp._conn
+            assert conn is not None and conn.paused
+            assert sent[0] < total  # the engine side is held back too
             got = len(await resp.read())
             assert got == total
             resp.release()
