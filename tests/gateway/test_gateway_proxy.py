@@ -418,3 +418,32 @@ def test_metrics_parse_and_name_their_units() -> None:
                                                   "state", "kind", "result", "le"}
 
     asyncio.run(body())
+
+
+def test_upstream_keepalive_shows_in_metrics() -> None:
+    """Sequential requests to one node go over one kept-alive connection, and the
+    upstream series say so; a refused connection is counted as a connect error."""
+    async def body() -> None:
+        async with fleet_and_gateway(["a"]) as (gw, (a,)):
+            for i in range(5):
+                req = {"model": "m", "messages": MSG, "max_tokens": 3}
+                if i % 2:
+                    status = (await post(gw, "/v1/chat/completions", req))[0]
+                else:
+                    status = (await stream_raw(gw, req))[0]
+                assert status == 200
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                values = metric_values(await r.text())
+            assert values["tailguard_upstream_connections_opened_total"] == 1
+            assert values["tailguard_upstream_connection_reuses_total"] == 4
+            assert values["tailguard_upstream_idle_connections"] == 1
+            assert values["tailguard_upstream_connect_errors_total"] == 0
+            await a.stop()  # the engine goes away: its idle connection closes too
+            status, _, _ = await post(gw, "/v1/chat/completions",
+                                      {"model": "m", "messages": MSG, "max_tokens": 3})
+            assert status in (502, 503)
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                values = metric_values(await r.text())
+            assert values["tailguard_upstream_connect_errors_total"] >= 1
+
+    asyncio.run(body())

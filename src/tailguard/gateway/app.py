@@ -49,6 +49,7 @@ from tailguard.gateway.proxy import Proxy
 from tailguard.gateway.recording import DecisionFile
 from tailguard.gateway.reload import ConfigReloader
 from tailguard.gateway.upstream import UpstreamClient
+from tailguard.gateway.upstream_metrics import UpstreamCollector
 from tailguard.remediation import Remediator
 
 log = logging.getLogger("tailguard.gateway")
@@ -82,6 +83,7 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     remediator = Remediator(fleet, fleet.event_log, metrics.remediation)
     fleet.event_listeners.append(remediator.on_event)
     metrics.registry.register(OutlierCollector(fleet))
+    metrics.registry.register(UpstreamCollector(fleet, proxy))
     app = web.Application(client_max_size=_NO_AIOHTTP_BODY_LIMIT, middlewares=[request_log])
     app.on_response_prepare.append(add_request_id_header)
     app[FLEET] = fleet

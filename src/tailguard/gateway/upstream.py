@@ -300,6 +300,11 @@ class UpstreamPool:
         self.tls = tls
         self.keepalive_s = keepalive_s
         self.idle: list[_Connection] = []
+        # Counters for the metrics (gateway/upstream_metrics.py).
+        self.opened = 0  # new connections
+        self.reused = 0  # requests sent on a kept-alive connection
+        self.stale_retries = 0  # sent again because a reused connection had closed
+        self.connect_errors = 0
         default = 443 if tls is not None else 80
         self.host_header = host if port == default else f"{host}:{port}"
         if ":" in host and port != default:  # an IPv6 literal
@@ -319,6 +324,7 @@ class UpstreamPool:
         head = "".join(lines).encode("utf-8", "surrogateescape")
         conn = self._take_idle()
         if conn is not None:
+            self.reused += 1
             try:
                 return await self._exchange(conn, head, body)
             except UpstreamDisconnected:
@@ -326,6 +332,7 @@ class UpstreamPool:
                     raise
                 # The server closed the idle connection as the request went out:
                 # it never saw the request. Once more, on a new connection.
+                self.stale_retries += 1
         conn = await self._connect(connect_timeout)
         return await self._exchange(conn, head, body)
 
@@ -355,11 +362,14 @@ class UpstreamPool:
                     lambda: _Connection(self), self.host, self.port, ssl=self.tls,
                     server_hostname=self.host if self.tls is not None else None)
         except TimeoutError as exc:
+            self.connect_errors += 1
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} timed out "
                                        f"after {timeout:g} s") from exc
         except OSError as exc:
+            self.connect_errors += 1
             raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: "
                                        f"{exc.strerror or exc}") from exc
+        self.opened += 1
         return proto
 
     def put_idle(self, conn: _Connection) -> None:
@@ -391,6 +401,19 @@ class UpstreamClient:
             route = self._route(url)
         pool, path = route
         return await pool.post(path, headers, body, connect_timeout)
+
+    def pool_for(self, url: str) -> UpstreamPool | None:
+        """The pool that requests to ``url`` use, if one was opened yet."""
+        route = self._routes.get(url)
+        if route is not None:
+            return route[0]
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        try:
+            port = parts.port or (443 if tls else 80)
+        except ValueError:
+            return None
+        return self._pools.get((parts.scheme, parts.hostname or "", port))
 
     def _route(self, url: str) -> tuple[UpstreamPool, str]:
         parts = urlsplit(url)
