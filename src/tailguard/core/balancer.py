@@ -465,18 +465,17 @@ class Balancer:
         is the driver's own handle for it. ``ttft_s`` overrides the pool's
         TTFT SLO for the deadline (header ``x-slo-ttft-ms``).
         """
-        if self.recorder is None:
-            return self._admit(model, prompt_tokens, now, max_tokens, priority, exclude, ttft_s,
-                               size_bytes, payload)
-        self._quiet += 1
+        self._quiet += 1  # the picks inside are part of this decision's record
         try:
             got = self._admit(model, prompt_tokens, now, max_tokens, priority, exclude, ttft_s,
                               size_bytes, payload)
         finally:
             self._quiet -= 1
-        self.recorder({"t": now, "op": "admit", "model": model, "prompt_tokens": prompt_tokens,
-                       "max_tokens": max_tokens, "priority": priority, "exclude": list(exclude),
-                       "ttft_s": ttft_s, "size_bytes": size_bytes, "result": decision_dict(got)})
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "admit", "model": model, "prompt_tokens": prompt_tokens,
+                           "max_tokens": max_tokens, "priority": priority,
+                           "exclude": list(exclude), "ttft_s": ttft_s, "size_bytes": size_bytes,
+                           "result": decision_dict(got)})
         return got
 
     def _admit(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None,
