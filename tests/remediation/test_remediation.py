@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,20 @@ def make(remediation: dict[str, Any]) -> tuple[Remediator, EventLog, Clock, list
     rem = Remediator(FakeFleet(remediation), log,  # type: ignore[arg-type]
                      lambda a, r: results.append((a, r)), clock)
     return rem, log, clock, results
+
+
+@asynccontextmanager
+async def local_server(*routes: web.RouteDef) -> AsyncIterator[int]:
+    """An aiohttp app with ``routes`` on a free port of 127.0.0.1; yields the port."""
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
 
 
 def quarantined(t: float = 0.0) -> Event:
@@ -153,14 +169,7 @@ def test_webhook_posts_json() -> None:
         return web.Response(text="ok")
 
     async def body() -> None:
-        app = web.Application()
-        app.router.add_post("/hook", hook)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
+        async with local_server(web.post("/hook", hook)) as port:
             rem, _, _, results = make({"rules": [
                 {"on": "quarantined", "webhook": {"url": f"http://127.0.0.1:{port}/hook",
                                                   "headers": {"X-Token": "t"}}}]})
@@ -169,8 +178,6 @@ def test_webhook_posts_json() -> None:
                 rem.on_event(quarantined())
                 await rem.stop()
             assert results == [("webhook", "ok")]
-        finally:
-            await runner.cleanup()
 
     asyncio.run(body())
     assert got == [{"body": {"node_id": "n1", "node_url": "http://127.0.0.1:9", "node_gpu": "L4",
@@ -212,26 +219,17 @@ def test_kubernetes_rule_deletes_the_pod_through_the_api(tmp_path: Path,
                                   "metadata": {"name": name, "namespace": ns}})
 
     async def body() -> list[tuple[str, str]]:
-        app = web.Application()
-        app.router.add_delete("/api/v1/namespaces/{ns}/pods/{name}", delete)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        cfg = tmp_path / "kubeconfig"
-        cfg.write_text(KUBECONFIG % port)
-        monkeypatch.setenv("KUBECONFIG", str(cfg))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a cluster
-        try:
+        async with local_server(web.delete("/api/v1/namespaces/{ns}/pods/{name}", delete)) as port:
+            cfg = tmp_path / "kubeconfig"
+            cfg.write_text(KUBECONFIG % port)
+            monkeypatch.setenv("KUBECONFIG", str(cfg))
+            monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a cluster
             rem, _, _, results = make({"rules": [{"on": "quarantined", "kubernetes": {}}]})
             rem.on_event(quarantined())
             await rem.stop()
             ok, detail = await delete_pod("inf", "no-such-pod", 10)
             assert not ok and "404" in detail and "not found" in detail
             return results
-        finally:
-            await runner.cleanup()
 
     results = asyncio.run(body())
     assert results == [("kubernetes", "ok")]
