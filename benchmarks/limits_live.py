@@ -44,8 +44,7 @@ from tailguard.engine import EngineConfig
 from tailguard.gateway.app import run_gateway
 from tailguard.gateway.config import parse_fleet
 from tailguard.planner.plan import plan_groups
-from tailguard.sim.capacity import fleet_capacity
-from tailguard.sim.scenario import parse_scenario
+from tailguard.sim.capacity import capacity_bound
 from tailguard.sim.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"
@@ -54,17 +53,6 @@ INPUT = {"dist": "lognormal", "mu": 6.5, "sigma": 0.6, "max": 4096}
 OUTPUT = {"dist": "uniform", "min": 16, "max": 96}
 SLO = Slo(ttft_s=1.0, tpot_s=0.10)
 SHARES = {"high": 0.2, "normal": 0.6, "low": 0.2}
-
-
-def capacity_bound() -> float:
-    scn = parse_scenario({
-        "name": "live", "seed": 1, "model": MODEL,
-        "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s},
-        "fleet": [{"gpu": g, "count": c} for g, c in FLEET],
-        "workload": {"duration_s": 60, "warmup_s": 0, "arrival": {"process": "poisson", "rate": 1},
-                     "input_tokens": INPUT, "output_tokens": OUTPUT},
-    })
-    return sum(fleet_capacity(scn).values())
 
 
 def nodes() -> list[EmulatedNode]:
@@ -207,7 +195,7 @@ def _misses(records: list[Any]) -> list[tuple[float, str, str, float, float]]:
 
 async def main_async(load: float, duration: float, warmup: float, limit_opts: dict[str, Any],
                      baseline: bool) -> None:
-    bound = capacity_bound()
+    bound = capacity_bound(MODEL, SLO, FLEET, INPUT, OUTPUT)
     rate = load * bound
     print(f"fleet {FLEET}, capacity bound {bound:.1f} req/s, offering {rate:.1f} req/s "
           f"({load:.2f}) for {duration:.0f} s, statistics after {warmup:.0f} s", flush=True)

@@ -23,8 +23,7 @@ from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import run_gateway
 from tailguard.gateway.config import parse_fleet
-from tailguard.sim.capacity import fleet_capacity
-from tailguard.sim.scenario import parse_scenario
+from tailguard.sim.capacity import capacity_bound
 from tailguard.sim.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"
@@ -36,14 +35,7 @@ SLO = Slo(ttft_s=2.0, tpot_s=0.10)
 
 def demo_capacity() -> float:
     """The fleet's SLO capacity bound (req/s) for the demo's token lengths."""
-    scn = parse_scenario({
-        "name": "demo", "seed": 1, "model": MODEL,
-        "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s},
-        "fleet": [{"gpu": g, "count": c} for g, c in FLEET],
-        "workload": {"duration_s": 60, "warmup_s": 0, "arrival": {"process": "poisson", "rate": 1},
-                     "input_tokens": INPUT, "output_tokens": OUTPUT},
-    })
-    return sum(fleet_capacity(scn).values())
+    return capacity_bound(MODEL, SLO, FLEET, INPUT, OUTPUT)
 
 
 def _nodes() -> list[EmulatedNode]:

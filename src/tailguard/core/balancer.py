@@ -295,8 +295,7 @@ class Balancer:
         exclude: Sequence[str] = (),
     ) -> Ticket | None:
         """Choose a node and take a permit on it; None if no node can take it."""
-        if self._presumed and self._presumed[0][0] <= now:
-            self._settle_presumed(now)
+        self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None:
             return None
@@ -419,11 +418,13 @@ class Balancer:
         # The learner's ratio is observed over expected TTFT: its inverse use.
         ttft = ticket.expected_ttft() * ticket.node.capacity.prefill_slowdown
         heapq.heappush(self._presumed, (ticket.t_dispatch + ttft, ticket.id, ticket))
-        if self._presumed[0][0] <= now:
-            self._settle_presumed(now)
+        self._settle_presumed(now)
 
     def _settle_presumed(self, now: float) -> None:
+        """Count the prompts of non-streamed tickets whose presumed first token is due."""
         heap = self._presumed
+        if not heap or heap[0][0] > now:  # the common case: nothing due
+            return
         moved: set[str] = set()
         while heap and heap[0][0] <= now:
             ticket = heapq.heappop(heap)[2]
@@ -481,8 +482,7 @@ class Balancer:
     def _admit(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None,
                priority: int, exclude: Sequence[str], ttft_s: float | None, size_bytes: int,
                payload: Any) -> Ticket | Waiter | Shed | None:
-        if self._presumed and self._presumed[0][0] <= now:
-            self._settle_presumed(now)
+        self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None or not pool.limited:
             return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
@@ -518,8 +518,7 @@ class Balancer:
         Returns every decision taken since the last call (also displacements
         made by :meth:`admit`), in order. Never raises for an empty queue.
         """
-        if self._presumed and self._presumed[0][0] <= now:
-            self._settle_presumed(now)
+        self._settle_presumed(now)
         out = self._queue_decisions
         self._queue_decisions = []
         for pool in self.pools.values():
@@ -745,8 +744,7 @@ class Balancer:
         return events
 
     def _tick(self, now: float) -> list[Event]:
-        if self._presumed and self._presumed[0][0] <= now:
-            self._settle_presumed(now)
+        self._settle_presumed(now)
         self._refresh_class_slowdowns()
         self._last_tick = now
         if self.outliers is None:

@@ -52,8 +52,7 @@ def _good(c: Copy) -> bool:
     if c.task.cancelled() or c.task.exception() is not None:
         return False
     resp, payload = c.task.result()
-    return (resp.status < 300 and resp.content_type == "text/event-stream"
-            and bool(payload))
+    return resp.streamed and bool(payload)
 
 
 def _failure_origin(c: Copy) -> Outcome:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import time
 from dataclasses import dataclass
@@ -240,23 +241,20 @@ class Proxy:
         out[REQUEST_ID_HEADER] = request_id()  # the engine's logs can be joined on it
         return out
 
-    def _sender(self, endpoint: str, body: bytes, to: Timeouts) -> Send:
-        """POST ``body`` to a node and read the first chunk (for the hedge race)."""
+    async def _first_chunk(self, endpoint: str, body: bytes, to: Timeouts, node: NodeConfig,
+                           headers: CIMultiDict[str]) -> tuple[UpstreamResponse, bytes]:
+        """POST ``body`` to ``node``; its answer with the first chunk of a stream read,
+        or the whole body of anything else."""
         upstream = self.upstream
         assert upstream is not None
-
-        async def send(node: NodeConfig, headers: CIMultiDict[str]
-                       ) -> tuple[UpstreamResponse, bytes]:
-            resp = await upstream.post(node.url + PATHS[endpoint], headers, body, to.connect_s)
-            try:
-                if resp.status < 300 and resp.content_type == "text/event-stream":
-                    return resp, await resp.readany()
-                return resp, await resp.read()
-            except BaseException:
-                resp.close()
-                raise
-
-        return send
+        resp = await upstream.post(node.url + PATHS[endpoint], headers, body, to.connect_s)
+        try:
+            if resp.streamed:
+                return resp, await resp.readany()
+            return resp, await resp.read()
+        except BaseException:
+            resp.close()
+            raise
 
     # -- one attempt on one node ---------------------------------------------------
 
@@ -264,8 +262,6 @@ class Proxy:
                        ticket: Ticket, body: bytes, headers: CIMultiDict[str],
                        req: RoutedRequest, settings: PoolSettings, deadline: float,
                        t0: float) -> web.StreamResponse | Failure:
-        upstream = self.upstream
-        assert upstream is not None
         balancer = self.fleet.balancer
         loop = asyncio.get_running_loop()
         to = settings.timeouts
@@ -287,21 +283,14 @@ class Proxy:
                 async with asyncio.timeout_at(first_deadline):
                     hedger = self.hedging.hedger(req.model) if req.stream else None
                     if hedger is not None:  # perhaps a duplicate to a second node (hedge.py)
+                        send: Send = functools.partial(self._first_chunk, endpoint, body, to)
                         node, ticket, resp, payload = await self.hedging.first_chunk(
-                            hedger, req.model, node, ticket, headers,
-                            self._sender(endpoint, body, to), req.prompt_tokens,
+                            hedger, req.model, node, ticket, headers, send, req.prompt_tokens,
                             req.max_tokens, _priority(request))
-                        streamed = (resp.status < 300
-                                    and resp.content_type == "text/event-stream")
                     else:
-                        resp = await upstream.post(node.url + PATHS[endpoint], headers, body,
-                                                   to.connect_s)
-                        streamed = (resp.status < 300
-                                    and resp.content_type == "text/event-stream")
-                        if streamed:
-                            payload = await resp.readany()
-                        else:
-                            payload = await resp.read()
+                        resp, payload = await self._first_chunk(endpoint, body, to, node,
+                                                                headers)
+                    streamed = resp.streamed
             except UpstreamConnectError as exc:
                 outcome = Outcome.CONNECT_FAILURE
                 return Failure(outcome, 502, f"cannot connect to node {node.id}: {exc}",

@@ -34,7 +34,7 @@ import ssl
 import time
 from collections import deque
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 from multidict import CIMultiDict
@@ -80,6 +80,11 @@ class UpstreamResponse:
         """The media type of ``Content-Type``, lower case, without parameters."""
         raw = self.headers.get("Content-Type", "application/octet-stream")
         return raw.partition(";")[0].strip().lower()
+
+    @property
+    def streamed(self) -> bool:
+        """A successful event stream (the gateway passes it on chunk by chunk)."""
+        return self.status < 300 and self.content_type == "text/event-stream"
 
     async def readany(self) -> bytes:
         """All body bytes that arrived since the last call; ``b""`` at the end."""
@@ -385,6 +390,17 @@ class UpstreamPool:
         self.idle.clear()
 
 
+def _origin(parts: SplitResult) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL, the default port filled in; None otherwise."""
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port out of range
+        return None
+    return parts.scheme, parts.hostname, port
+
+
 class UpstreamClient:
     """Pools by origin; ``post(url, ...)`` picks the pool from the URL."""
 
@@ -407,30 +423,24 @@ class UpstreamClient:
         route = self._routes.get(url)
         if route is not None:
             return route[0]
-        parts = urlsplit(url)
-        tls = parts.scheme == "https"
-        try:
-            port = parts.port or (443 if tls else 80)
-        except ValueError:
-            return None
-        return self._pools.get((parts.scheme, parts.hostname or "", port))
+        key = _origin(urlsplit(url))
+        return self._pools.get(key) if key is not None else None
 
     def _route(self, url: str) -> tuple[UpstreamPool, str]:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        key = _origin(parts)
+        if key is None:
             raise UpstreamConnectError(f"not an http(s) URL: {url!r}")
-        tls = parts.scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        key = (parts.scheme, parts.hostname, port)
+        scheme, host, port = key
         pool = self._pools.get(key)
         if pool is None:
             ctx = None
-            if tls:
+            if scheme == "https":
                 if self._tls is None:
                     self._tls = ssl.create_default_context()
                 ctx = self._tls
-            pool = self._pools[key] = UpstreamPool(asyncio.get_running_loop(), parts.hostname,
-                                                   port, ctx, self.keepalive_s)
+            pool = self._pools[key] = UpstreamPool(asyncio.get_running_loop(), host, port, ctx,
+                                                   self.keepalive_s)
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tailguard.core.hardware import PerfModel
 from tailguard.core.policies import Slo
 from tailguard.engine import EngineConfig
 from tailguard.sim.cluster import run_cluster
 from tailguard.sim.results import attainment
-from tailguard.sim.scenario import NodePlan, Scenario
+from tailguard.sim.scenario import NodePlan, Scenario, parse_scenario
 from tailguard.sim.workload import sample_lengths
 
 PROBE_REQUESTS = 1500
@@ -104,3 +105,17 @@ def node_capacity(scn: Scenario, plan: NodePlan, n: int = PROBE_REQUESTS) -> flo
 def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS) -> dict[str, float]:
     """Each node's SLO capacity by node id."""
     return {plan.id: node_capacity(scn, plan, n) for plan in scn.nodes()}
+
+
+def capacity_bound(model: str, slo: Slo, fleet: Sequence[tuple[str, int]],
+                   input_tokens: Mapping[str, Any], output_tokens: Mapping[str, Any]) -> float:
+    """The SLO capacity bound (req/s) of ``fleet`` ((GPU, count) pairs) serving
+    ``model`` at the given length distributions (scenario syntax)."""
+    scn = parse_scenario({
+        "name": "bound", "seed": 1, "model": model,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "fleet": [{"gpu": g, "count": c} for g, c in fleet],
+        "workload": {"duration_s": 60, "warmup_s": 0, "arrival": {"process": "poisson", "rate": 1},
+                     "input_tokens": dict(input_tokens), "output_tokens": dict(output_tokens)},
+    })
+    return sum(fleet_capacity(scn).values())
