@@ -89,7 +89,7 @@ async def main(requests: int, seconds: float) -> None:
         fleet = parse_fleet({"listen": "127.0.0.1:0",
                              "nodes": [{"id": "e0", "url": emu.urls["e0"], "gpu": "H100",
                                         "models": [MODEL]}],
-                             "pools": {MODEL: {"policy": "tailguard"}}}, None)
+                             "pools": {MODEL: {"policy": "tailguard"}}})
         async with run_gateway(fleet) as gw, aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=256)) as session:
             targets = {"direct": emu.urls["e0"], "gateway": gw.url}

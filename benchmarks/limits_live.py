@@ -120,7 +120,7 @@ async def one_run(limited: bool, rate: float, duration: float, warmup: float,
             "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": n.gpu, "models": [MODEL]}
                       for n in emulated],
             "pools": {MODEL: pool},
-        }, None)
+        })
         async with run_gateway(fleet, host="127.0.0.1", port=0) as gw:
             gens = [LoadGenerator(BenchConfig(
                 gw.url, model=MODEL, rate=rate * share, duration_s=duration,

@@ -19,9 +19,12 @@ def read_yaml(path: str | Path, what: str) -> Any:
     """The parsed document of ``path``; ``what`` names the file in errors ("scenario")."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError("", f"cannot read {what} {str(p)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"{p}: not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r})") from exc
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -94,7 +94,7 @@ async def run_demo(duration_s: float, load: float, console: Console) -> tuple[
                       for n in nodes],
             "pools": {MODEL: {"policy": "tailguard",
                               "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}}},
-        }, None)
+        })
         async with run_gateway(fleet, host="127.0.0.1", port=0) as gw:
             console.print(f"gateway:  {gw.url}/v1   (OpenAI-compatible; try /v1/models)")
             console.print(f"metrics:  {gw.url}/metrics")

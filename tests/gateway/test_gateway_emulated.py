@@ -34,7 +34,7 @@ async def fleet(*gpus: str, speed: float = 20.0) -> AsyncIterator[tuple[RunningG
             "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": n.gpu, "models": [MODEL]}
                       for n in nodes],
             "pools": {MODEL: {"policy": "round_robin"}},
-        }, None)
+        })
         async with run_gateway(cfg) as gw:
             yield gw, emu
 

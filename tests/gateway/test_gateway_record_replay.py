@@ -35,7 +35,7 @@ async def live_run(record: Path) -> int:
                       for n in nodes],
             "pools": {MODEL: {"policy": "tailguard"}},
             "scrape": {"interval_s": 0.1},
-        }, None)
+        })
         async with run_gateway(fleet, record=record) as gw:
             client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
 
@@ -107,7 +107,7 @@ async def live_admission_run(record: Path) -> tuple[int, int]:
             "pools": {MODEL: {"policy": "tailguard", "slo": {"ttft_s": 5.0, "tpot_s": 0.2},
                               "limits": {"kind": "fixed", "initial": 2},
                               "admission": {"queue_max": 8}}},
-        }, None)
+        })
         async with run_gateway(fleet, record=record) as gw:
             client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
 

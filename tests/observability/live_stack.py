@@ -129,7 +129,7 @@ class LiveStack:
                 "pools": {MODEL: self.pool},
                 "scrape": {"interval_s": 0.25, "stale_s": 1.0},
                 "health": {"interval_s": 0.25, "timeout_s": 0.5, "failures": 2},
-            }, None)
+            })
             async with run_gateway(fleet) as gw:
                 self.gw = gw
                 load = asyncio.create_task(self._load(gw.url))

@@ -43,6 +43,13 @@ FALLBACK_GPU = "L40S"
 # of priority high, normal, low may use when their pool has a queue.
 PRIORITY_SHARE = (1.0, 0.9, 0.8)
 
+# Answers shorter than this teach no decode speed. Their time per token spans
+# one or a few engine steps, and under a burst of short requests most steps
+# also carry other requests' prefill chunks, so a 2-token stream read 2.8x the
+# decode roofline on healthy H100s and degraded them. The limiter still sees
+# them: their TPOT is what their clients got.
+MIN_DECODE_TOKENS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -363,14 +370,27 @@ class Balancer:
         if self.outliers is not None:
             self.outliers.on_prefill(node, ttft, expected, now)
 
-    def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int) -> None:
-        """Release the ticket's permit (exactly once) and learn from the request."""
+    def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int,
+                  *, judged: bool = True, timed: bool = True) -> None:
+        """Release the ticket's permit (exactly once) and learn from the request.
+
+        ``judged=False``: a node failure whose cause is not known yet (a 5xx
+        that the request itself may have caused); the detector hears of it
+        only through a later :meth:`blame`. ``timed=False``: the answer's pace
+        was the client's, not the node's (it read slowly), so no speed is
+        learned from it.
+        """
         if ticket.released:
             self.double_release += 1
             return
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "finish", "ticket": ticket.id,
-                           "outcome": outcome.value, "output_tokens": output_tokens})
+            rec: dict[str, Any] = {"t": now, "op": "finish", "ticket": ticket.id,
+                                   "outcome": outcome.value, "output_tokens": output_tokens}
+            if not judged:
+                rec["judged"] = False
+            if not timed:
+                rec["timed"] = False
+            self.recorder(rec)
         ticket.released = True
         node = ticket.node
         node.in_flight -= 1
@@ -379,19 +399,22 @@ class Balancer:
             node.prefill_backlog -= ticket.prompt_tokens
         else:
             node.decoding -= 1
-        if self.outliers is not None:
+        if self.outliers is not None and (judged or not outcome.is_node_failure):
             self.outliers.on_outcome(node, outcome, now)
         if ticket.permit is not None:
-            self._release_permit(ticket, now, outcome, output_tokens)
+            self._release_permit(ticket, now, outcome, output_tokens if timed else 0)
         if outcome is not Outcome.OK:
             return
         pool = ticket.pool
         pool.mean_output += (output_tokens - pool.mean_output) * 0.01
+        if not timed:
+            return
         node.latency.update(now - ticket.t_dispatch, now)
         if ticket.t_first >= 0.0 and output_tokens >= 2:
-            span = now - ticket.t_first
-            tpot = span / (output_tokens - 1)
-            node.tpot.update(tpot, now)
+            tpot = (now - ticket.t_first) / (output_tokens - 1)
+            node.tpot.update(tpot, now)  # what clients got (observers read it)
+            if output_tokens < MIN_DECODE_TOKENS:
+                return
             batch = running_batch(node.perf, node.slots,
                                   max(1, (ticket.batch_at_first + node.in_flight + 1) // 2),
                                   pool.mean_prompt + pool.mean_output)
@@ -400,6 +423,20 @@ class Balancer:
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is not None:
                 self.outliers.on_decode(node, tpot, expected_step)
+
+    def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
+        """Charge ``node_id`` with a failure released unjudged, now that it is the node's.
+
+        The driver learnt it from a second node: the same request succeeded
+        there, so the first node's 5xx was the node's own.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "blame", "node": node_id, "outcome": outcome.value})
+        if self.outliers is not None:
+            self.outliers.on_outcome(node, outcome, now)
 
     def expect_no_first_token(self, ticket: Ticket, now: float) -> None:
         """The driver will not see ``ticket``'s first token (a non-streamed answer).

@@ -127,7 +127,10 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
         elif op == "finish":
             t = tickets.pop(rec["ticket"], None)
             if t is not None:
-                balancer.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"])
+                balancer.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"],
+                                   judged=rec.get("judged", True), timed=rec.get("timed", True))
+        elif op == "blame":
+            balancer.blame(rec["node"], Outcome(rec["outcome"]), rec["t"])
         elif op == "engine_metrics":
             balancer.on_engine_metrics(rec["node"], rec["t"], rec["running"], rec["waiting"],
                                        rec["kv_usage"])

@@ -32,9 +32,10 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "server_error")
 
 
-def error_body(status: int, message: str, code: str) -> bytes:
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    """``param`` names the request field at fault, as OpenAI's own errors do."""
     return json.dumps(
-        {"error": {"message": message, "type": error_type(status), "param": None, "code": code}}
+        {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
     ).encode()
 
 
@@ -44,12 +45,13 @@ def error_response(
     code: str,
     node: str = NO_NODE,
     headers: Mapping[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
     """A JSON error response; ``node`` fills the ``x-tailguard-node`` header."""
     hdrs = {NODE_HEADER: node}
     if headers:
         hdrs.update(headers)
-    return web.Response(status=status, body=error_body(status, message, code),
+    return web.Response(status=status, body=error_body(status, message, code, param),
                         content_type="application/json", headers=hdrs)
 
 

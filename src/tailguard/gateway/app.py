@@ -40,12 +40,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tailguard.gateway.admin import AdminApi
 from tailguard.gateway.api_errors import error_response
 from tailguard.gateway.config import FleetConfig
+from tailguard.gateway.connections import ClientConnections, GuardedRunner
 from tailguard.gateway.dashboard import Dashboard, setup_dashboard
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import add_request_id_header, request_log
 from tailguard.gateway.metrics import GatewayMetrics
 from tailguard.gateway.outlier_metrics import OutlierCollector
-from tailguard.gateway.proxy import Proxy
+from tailguard.gateway.proxy import Proxy, authorized
 from tailguard.gateway.recording import DecisionFile
 from tailguard.gateway.reload import ConfigReloader
 from tailguard.gateway.upstream import UpstreamClient
@@ -59,6 +60,7 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 RELOADER = web.AppKey("reloader", ConfigReloader)
 DASHBOARD = web.AppKey("dashboard", Dashboard)
+CONNECTIONS = web.AppKey("connections", ClientConnections)
 
 # Shorter than the 5 s keep-alive of uvicorn (vLLM, SGLang) so that the
 # gateway never reuses a connection the engine is closing at that moment.
@@ -90,9 +92,16 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     app[METRICS] = metrics
     app[PROXY] = proxy
     app[RELOADER] = reloader
+    connections = ClientConnections(lambda: fleet.config.client, metrics.client_closed_reason)
+    metrics.watch_connections(lambda: connections.open)
+    app[CONNECTIONS] = connections
     started = time.time()
 
     async def models(request: web.Request) -> web.StreamResponse:
+        keys = fleet.config.api_keys
+        if keys and not authorized(request, keys):
+            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                  "invalid_api_key")
         data = [{"id": m, "object": "model", "created": int(started), "owned_by": "tailguard"}
                 for m in fleet.served_models()]
         return web.Response(text=json.dumps({"object": "list", "data": data}),
@@ -194,12 +203,14 @@ def make_runner(app: web.Application, shutdown_timeout_s: float,
     Handlers are cancelled when their client disconnects, so an abandoned
     request stops its upstream generation at once (the proxy's ``finally``
     releases the permit); no access log by default (it costs ~10% of the
-    request path).
+    request path). Its connections follow the fleet file's ``client`` rules
+    (:mod:`~tailguard.gateway.connections`).
     """
-    if access_log:
-        return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s)
-    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s,
-                         access_log=None)
+    kwargs: dict[str, object] = {"handler_cancellation": True,
+                                 "shutdown_timeout": shutdown_timeout_s}
+    if not access_log:
+        kwargs["access_log"] = None
+    return GuardedRunner(app, app[CONNECTIONS], **kwargs)
 
 
 async def start_gateway(config: FleetConfig, host: str | None = None, port: int | None = None,

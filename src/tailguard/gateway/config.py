@@ -68,7 +68,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 FLEET_KEYS = ("listen", "nodes", "pools", "admin", "api_keys", "api_keys_env", "max_body_bytes",
               "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog",
-              "outliers", "remediation")
+              "outliers", "remediation", "client")
 NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
              "api_key_env", "faults", "emulator")
 POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries", "limits",
@@ -219,6 +219,27 @@ class ScrapeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """What the gateway allows its clients' connections (``client:`` in the fleet file).
+
+    ``header_timeout_s``: from the first byte of a request until its headers
+    are complete (slowloris). ``body_timeout_s``: reading the request body
+    (answered 408). ``idle_timeout_s``: a keep-alive connection with no new
+    request, counted from its connect or its last answer (a connection that
+    never completes a request is closed then too). ``max_connections``: open
+    client connections; one more is answered 503 and closed, with a log line.
+    ``write_timeout_s``: a streamed answer's client that takes nothing of it
+    for this long is dropped (a slow reader: never charged to the node).
+    """
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 15.0
+    write_timeout_s: float = 30.0
+    max_connections: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
 class HealthSettings:
     """Active health checks (``GET {url}{path}``)."""
 
@@ -255,6 +276,7 @@ class FleetConfig:
     warnings: tuple[str, ...] = ()
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # straggler detection
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
+    client: ClientSettings = field(default_factory=ClientSettings)
 
     def pool(self, model: str) -> PoolSettings:
         """The settings of ``model``'s pool (defaults when the file has none)."""
@@ -362,7 +384,24 @@ def parse_url(raw: Any, where: str) -> str:
         raise ConfigError(where, f"has no host: {raw!r}")
     if url.query_string or url.fragment:
         raise ConfigError(where, f"must not carry a query or fragment: {raw!r}")
+    if url.user is not None or url.password is not None:
+        # Credentials in a URL end up in logs, the admin API and every scrape;
+        # the engine's key belongs in the environment instead.
+        raise ConfigError(where, f"must not carry credentials (user:password@); put the "
+                                 f"engine's key in an environment variable named by "
+                                 f"api_key_env: {redact_url(raw)!r}")
     return raw.rstrip("/")
+
+
+def redact_url(raw: str) -> str:
+    """``raw`` with any ``user:password@`` replaced by ``***@`` (for errors and logs)."""
+    scheme, sep, rest = raw.partition("://")
+    if not sep:
+        return raw
+    authority, slash, tail = rest.partition("/")
+    if "@" not in authority:
+        return raw
+    return f"{scheme}://***@{authority.rpartition('@')[2]}{slash}{tail}"
 
 
 def parse_slo(raw: Any, where: str) -> Slo:
@@ -527,14 +566,9 @@ def parse_admin(raw: Any) -> AdminConfig:
     return AdminConfig(token_env, tuple(allow))
 
 
-def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAULT_CATALOG,
+def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
                 path: Path | None = None) -> FleetConfig:
-    """Check a loaded fleet document and build its :class:`FleetConfig`.
-
-    ``base_dir`` is where relative paths in the file would be resolved (none
-    are used yet; the parameter keeps the loader's signature stable).
-    """
-    del base_dir
+    """Check a loaded fleet document and build its :class:`FleetConfig`."""
     m = require_mapping(raw if raw is not None else {}, "fleet")
     check_keys(m, FLEET_KEYS, "", extensions=True)
     warnings: list[str] = []
@@ -577,6 +611,16 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
                             _integer(health_raw, "successes", "health", h.successes))
     reload_raw = require_mapping(m.get("reload") or {}, "reload")
     check_keys(reload_raw, ("poll_s",), "reload", extensions=True)
+    client_raw = require_mapping(m.get("client") or {}, "client")
+    check_keys(client_raw, ("header_timeout_s", "body_timeout_s", "idle_timeout_s",
+                            "write_timeout_s", "max_connections"), "client", extensions=True)
+    c = ClientSettings()
+    client = ClientSettings(
+        _number(client_raw, "header_timeout_s", "client", c.header_timeout_s),
+        _number(client_raw, "body_timeout_s", "client", c.body_timeout_s),
+        _number(client_raw, "idle_timeout_s", "client", c.idle_timeout_s),
+        _number(client_raw, "write_timeout_s", "client", c.write_timeout_s),
+        _integer(client_raw, "max_connections", "client", c.max_connections))
     return FleetConfig(
         listen=parse_listen(m.get("listen")),
         nodes=tuple(nodes),
@@ -594,10 +638,19 @@ def parse_fleet(raw: Any, base_dir: Path | None = None, catalog: Catalog = DEFAU
         warnings=tuple(warnings),
         outliers=parse_outliers(m.get("outliers")),
         remediation=parse_remediation(m.get("remediation")),
+        client=client,
     )
 
 
 def load_fleet(path: str | Path, catalog: Catalog = DEFAULT_CATALOG) -> FleetConfig:
     """Read and check a fleet file; raises :class:`ConfigError` naming the field."""
     p = Path(path)
-    return parse_fleet(read_yaml(p, "fleet file"), p.parent, catalog, p.resolve())
+    raw = read_yaml(p, "fleet file")
+    # A truncated or emptied file (an editor's save, ": > fleet.yaml") must not
+    # become a fleet without nodes, admin API or listen address.
+    if raw is None:
+        raise ConfigError("", f"{p}: the fleet file is empty")
+    if isinstance(raw, Mapping) and "nodes" not in raw:
+        raise ConfigError("nodes", f"{p}: missing (write `nodes: []` for a fleet that starts "
+                                   f"empty and is filled through the admin API)")
+    return parse_fleet(raw, catalog, p.resolve())

@@ -12,10 +12,19 @@ there was none. The cancellation becomes :class:`TimeoutError` on exit, as
 with ``asyncio.timeout`` (whose ``uncancel`` bookkeeping it follows, so an
 outside cancellation is never swallowed).
 
-    async with IdleTimeout(loop, idle_s=30.0, deadline=loop.time() + 600) as idle:
+    async with IdleTimeout(loop, idle_s=30.0, deadline=loop.time() + 600,
+                           write_s=30.0) as idle:
         while chunk := await read():
             idle.touch()
-            ...
+            idle.writing = True
+            await write(chunk)
+            idle.writing = False
+
+While ``writing`` is set the wait is the *client's* (it reads slowly, the
+gateway's send buffer is full), so it is bounded by ``write_s`` instead and
+an expiry then has :attr:`IdleTimeout.cause` ``"client"``: a slow reader must
+never read as a silent node (``"idle"``) or be charged to it. ``"total"``
+is the request's own deadline.
 """
 
 from __future__ import annotations
@@ -27,14 +36,18 @@ from types import TracebackType
 class IdleTimeout:
     """Cancel the current task after ``idle_s`` without :meth:`touch`, or at ``deadline``."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "deadline", "idle_s",
-                 "last")
+    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "cause", "deadline",
+                 "idle_s", "last", "write_s", "writing")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, deadline: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, deadline: float,
+                 write_s: float | None = None) -> None:
         self._loop = loop
         self.idle_s = idle_s
+        self.write_s = idle_s if write_s is None else write_s
         self.deadline = deadline
         self.last = loop.time()
+        self.writing = False
+        self.cause = ""  # why it expired: "idle", "client" or "total"
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._expired = False
@@ -68,17 +81,21 @@ class IdleTimeout:
             raise TimeoutError from exc
         return None
 
+    def _limit(self) -> float:
+        return self.write_s if self.writing else self.idle_s
+
     def _arm(self) -> None:
-        when = self.last + self.idle_s
+        when = self.last + self._limit()
         self._handle = self._loop.call_at(min(when, self.deadline), self._fire)
 
     def _fire(self) -> None:
         self._handle = None
         now = self._loop.time()
-        if now < self.deadline and now < self.last + self.idle_s:
+        if now < self.deadline and now < self.last + self._limit():
             self._arm()  # progress since the timer was set: wait out the rest
             return
         self._expired = True
+        self.cause = "total" if now >= self.deadline else "client" if self.writing else "idle"
         if self._task is not None:
             self._task.cancel()
 

@@ -27,6 +27,9 @@ tailguard_retries_total                            counter    pool, origin
 tailguard_upstream_errors_total                    counter    node, origin
 tailguard_balancer_events_total                    counter    kind, state
 tailguard_config_reloads_total                     counter    result
+tailguard_client_connections                       gauge      -
+tailguard_client_connections_closed_total          counter    reason
+tailguard_failure_verdicts_total                   counter    verdict
 tailguard_in_flight_requests                       gauge      node, gpu
 tailguard_node_slots                               gauge      node, gpu
 tailguard_node_capacity_tokens_per_second          gauge      node, gpu
@@ -63,10 +66,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from tailguard.core.events import Event
@@ -128,6 +131,15 @@ class GatewayMetrics:
         self.remediations = Counter("tailguard_remediations",
                                     "Remediation actions run, by action and result",
                                     ["action", "result"], registry=r)
+        self.client_closed = Counter("tailguard_client_connections_closed",
+                                     "Client connections the gateway closed or refused, by reason",
+                                     ["reason"], registry=r)
+        self.client_connections = Gauge("tailguard_client_connections",
+                                        "Open client connections", registry=r)
+        self.failure_verdicts = Counter(
+            "tailguard_failure_verdicts",
+            "Upstream 5xx before the first byte, by whose fault a second node showed it was",
+            ["verdict"], registry=r)
         self._fleet = fleet
         self._slo: dict[tuple[str, str, bool], Any] = {}
         r.register(FleetCollector(fleet))
@@ -191,6 +203,12 @@ class GatewayMetrics:
     def remediation(self, action: str, result: str) -> None:
         """A remediation action ran (``command``/``webhook``/``kubernetes``; for issue 5)."""
         self.remediations.labels(action, result).inc()
+
+    def client_closed_reason(self, reason: str) -> None:
+        self.client_closed.labels(reason).inc()
+
+    def watch_connections(self, count: Callable[[], int]) -> None:
+        self.client_connections.set_function(count)
 
     def upstream_error(self, node: str, origin: str) -> None:
         self.upstream_errors.labels(node, origin).inc()

@@ -119,6 +119,8 @@ def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
         data = json.loads(body.decode("utf-8-sig"))  # JSON on the wire is UTF-8 (RFC 8259)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise InvalidRequest(f"the request body is not valid JSON: {exc}", "invalid_json") from exc
+    except RecursionError as exc:  # "[[[[..." thousands deep: the decoder's stack ran out
+        raise InvalidRequest("the request body nests too deeply", "invalid_json") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object", "invalid_json")
     model = data.get("model")

@@ -46,9 +46,11 @@ import contextlib
 import functools
 import hmac
 import time
+import zlib
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
 from multidict import CIMultiDict
 
 from tailguard.core.admission import Shed
@@ -86,7 +88,12 @@ _REQUEST_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
     "expect",
+    # aiohttp inflates a gzip or deflate body as it reads it: what goes on is
+    # the plain body, so its encoding must not (engines answered 500 to it).
+    "content-encoding",
 })
+# What aiohttp's server inflates; anything else is refused with 415.
+_BODY_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
 _RESPONSE_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "content-length", "date", "server",
@@ -105,10 +112,27 @@ class Failure:
     message: str
     code: str
     retry_after: str | None = None
+    # A 5xx may be the request's doing rather than the node's: it is charged
+    # only once another node answered the same request (see _forward).
+    judged: bool = True
 
 
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
+
+
+# Set once the request's status is in the metrics (a late disconnect must not count it again).
+_COUNTED = web.RequestKey("tailguard_counted", int)
+
+
+class _Verdicts:
+    """The request's 5xx answers not charged yet, and whether another node then served it."""
+
+    __slots__ = ("pending", "served")
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []  # nodes whose 5xx waits for a second opinion
+        self.served = False  # a node answered it with 2xx
 
 
 class Proxy:
@@ -136,39 +160,71 @@ class Proxy:
         t0 = time.monotonic()
         cfg = self.fleet.config
         if cfg.api_keys and not authorized(request, cfg.api_keys):
-            self.metrics.request_done(INVALID_POOL, 401)
+            self._done(request, INVALID_POOL, 401)
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
                                   "invalid_api_key")
-        limit = cfg.max_body_bytes
-        length = request.content_length
-        body: bytes | None
-        if length is not None:
-            body = None if length > limit else await request.read()
-        else:
-            body = await _read_limited(request, limit)
-        if body is None:
-            self.metrics.request_done(INVALID_POOL, 413)
-            resp = error_response(413, f"the request body exceeds {limit} bytes", "body_too_large")
-            resp.force_close()  # do not read the rest of a huge body to keep the connection
-            return resp
+        got = await self._read_body(request, cfg.max_body_bytes, cfg.client.body_timeout_s)
+        if isinstance(got, web.Response):
+            self._done(request, INVALID_POOL, got.status)
+            return got
+        body = got
         try:
             req = parse_request(endpoint, body)
         except InvalidRequest as exc:
-            self.metrics.request_done(INVALID_POOL, 400)
-            return error_response(400, str(exc), exc.code)
+            self._done(request, INVALID_POOL, 400)
+            return error_response(400, str(exc), exc.code, param=exc.param)
         if not self.fleet.serves(req.model):
-            self.metrics.request_done(UNKNOWN_POOL, 404)
+            self._done(request, UNKNOWN_POOL, 404)
             served = ", ".join(self.fleet.served_models()[:20])
             return error_response(404, f"the model {req.model!r} does not exist "
-                                       f"(served: {served})", "model_not_found")
+                                       f"(served: {served})", "model_not_found", param="model")
         note(pool=req.model)
         try:
             return await self._forward(request, endpoint, body, req, t0)
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels the handler); tickets are
             # released by the attempt's finally.
-            self.metrics.request_done(req.model, CLIENT_CLOSED)
+            self._done(request, req.model, CLIENT_CLOSED)
             raise
+
+    def _done(self, request: web.Request, pool: str, status: int) -> None:
+        """Count the request's answer, once whatever happens after (a late disconnect)."""
+        if _COUNTED not in request:
+            request[_COUNTED] = status
+            self.metrics.request_done(pool, status)
+
+    async def _read_body(self, request: web.Request, limit: int,
+                         timeout_s: float) -> bytes | web.Response:
+        """The request body (inflated), or the error response that refuses it."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _BODY_ENCODINGS:
+            resp = error_response(415, f"Content-Encoding {encoding!r} is not supported "
+                                       "(gzip, deflate or none)", "unsupported_encoding")
+            resp.force_close()
+            return resp
+        length = request.content_length
+        try:
+            async with asyncio.timeout(timeout_s):
+                if length is not None and encoding == "identity":
+                    body = None if length > limit else await request.read()
+                else:  # chunked, or encoded: the limit applies to what it inflates to
+                    body = await _read_limited(request, limit)
+        except TimeoutError:
+            resp = error_response(408, f"the request body did not arrive within {timeout_s:g} s",
+                                  "body_timeout")
+            resp.force_close()
+            return resp
+        except (web.RequestPayloadError, PayloadEncodingError, zlib.error) as exc:
+            resp = error_response(400, f"the request body is not valid {encoding}: {exc}",
+                                  "invalid_encoding")
+            resp.force_close()
+            return resp
+        if body is None:
+            resp = error_response(413, f"the request body exceeds {limit} bytes",
+                                  "body_too_large")
+            resp.force_close()  # do not read the rest of a huge body to keep the connection
+            return resp
+        return body
 
     # -- routing and failover ----------------------------------------------------
 
@@ -185,49 +241,83 @@ class Proxy:
         priority = _priority(request)
         tried: list[str] = []
         failure: Failure | None = None
-        for attempt in range(settings.retries.attempts):
-            now = time.monotonic()
-            if attempt and not budget.try_spend(now):
-                break
-            if attempt == 0:  # may wait in the pool's queue; retries never do
-                got = await self.gate.admit(request, model, req.prompt_tokens, req.max_tokens,
-                                            priority, len(body))
-                if isinstance(got, Shed):
-                    note(origin=f"shed_{got.reason}")
-                    self.metrics.request_done(model, 429)
-                    return shed_response(got, model)
-                ticket = got
-            else:
-                ticket = balancer.pick(model, req.prompt_tokens, now, req.max_tokens, priority,
-                                       tried)
-            if ticket is None:
-                break
-            node = fleet.nodes.get(ticket.node_id)
-            if node is None:  # cannot happen: the fleet adds nodes to both at once
-                balancer.on_finish(ticket, now, Outcome.CLIENT_ERROR, 0)
-                break
-            if failure is not None:
-                self.metrics.retry(model, failure.origin.value)
-            if not req.stream:  # no first token to see: the core presumes one
-                balancer.expect_no_first_token(ticket, time.monotonic())
-            tried.append(node.id)
-            result = await self._attempt(request, endpoint, node, ticket, body, headers, req,
-                                         settings, deadline, t0)
-            if not isinstance(result, Failure):
-                if attempt:
-                    note(attempts=attempt + 1)
-                return result
-            failure = result
-            self.metrics.upstream_error(node.id, failure.origin.value)
+        verdicts = _Verdicts()
+        try:
+            for attempt in range(settings.retries.attempts):
+                now = time.monotonic()
+                if attempt and not budget.try_spend(now):
+                    break
+                if attempt == 0:  # may wait in the pool's queue; retries never do
+                    got = await self.gate.admit(request, model, req.prompt_tokens,
+                                                req.max_tokens, priority, len(body))
+                    if isinstance(got, Shed):
+                        note(origin=f"shed_{got.reason}")
+                        self._done(request, model, 429)
+                        return shed_response(got, model)
+                    ticket = got
+                else:
+                    ticket = balancer.pick(model, req.prompt_tokens, now, req.max_tokens,
+                                           priority, tried)
+                if ticket is None:
+                    break
+                node = fleet.nodes.get(ticket.node_id)
+                if node is None:  # cannot happen: the fleet adds nodes to both at once
+                    balancer.on_finish(ticket, now, Outcome.CLIENT_ERROR, 0)
+                    break
+                if failure is not None:
+                    self.metrics.retry(model, failure.origin.value)
+                if not req.stream:  # no first token to see: the core presumes one
+                    balancer.expect_no_first_token(ticket, time.monotonic())
+                tried.append(node.id)
+                result = await self._attempt(request, endpoint, node, ticket, body, headers,
+                                             req, settings, deadline, t0, verdicts)
+                if not isinstance(result, Failure):
+                    if attempt:
+                        note(attempts=attempt + 1)
+                    return result
+                failure = result
+                if not result.judged:
+                    verdicts.pending.append(node.id)
+                self.metrics.upstream_error(node.id, failure.origin.value)
+        finally:
+            self._judge(verdicts, model)
         if failure is None:
             note(origin="no_capacity")
-            self.metrics.request_done(model, 503)
+            self._done(request, model, 503)
             return error_response(503, f"no node can take a request for {model!r} now",
                                   "no_capacity", headers={"Retry-After": RETRY_AFTER_S})
         note(origin=failure.origin.value, attempts=len(tried))
-        self.metrics.request_done(model, failure.status)
+        self._done(request, model, failure.status)
         extra = {"Retry-After": failure.retry_after} if failure.retry_after else None
-        return error_response(failure.status, failure.message, failure.code, tried[-1], extra)
+        message = failure.message
+        if len(set(verdicts.pending)) >= 2:
+            message = (f"nodes {', '.join(dict.fromkeys(verdicts.pending))} all failed this "
+                       f"request (last: {failure.message}); the request itself is the likely "
+                       "cause")
+        return error_response(failure.status, message, failure.code, tried[-1], extra)
+
+    def _judge(self, verdicts: _Verdicts, model: str) -> None:
+        """Charge the 5xx answers of the request's earlier attempts, now that it is known whose.
+
+        Another node served the request: the earlier failures were their
+        nodes' own. Two nodes or more failed it and none served it: the
+        request caused them (a body every engine refuses), nobody is charged.
+        A single 5xx with no second opinion stays uncharged too: the retry
+        budget gives enough second opinions to catch a node that fails
+        every request, and none to condemn a healthy one.
+        """
+        pending = verdicts.pending
+        if not pending:
+            return
+        if verdicts.served:
+            now = time.monotonic()
+            for node_id in pending:
+                self.fleet.balancer.blame(node_id, Outcome.UPSTREAM_5XX, now)
+            self.metrics.failure_verdicts.labels("node").inc(len(pending))
+        elif len(set(pending)) >= 2:
+            self.metrics.failure_verdicts.labels("request").inc(len(pending))
+        else:
+            self.metrics.failure_verdicts.labels("unknown").inc(len(pending))
 
     def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
         drop_auth = bool(self.fleet.config.api_keys)  # the client's key is the gateway's
@@ -261,7 +351,7 @@ class Proxy:
     async def _attempt(self, request: web.Request, endpoint: str, node: NodeConfig,
                        ticket: Ticket, body: bytes, headers: CIMultiDict[str],
                        req: RoutedRequest, settings: PoolSettings, deadline: float,
-                       t0: float) -> web.StreamResponse | Failure:
+                       t0: float, verdicts: _Verdicts) -> web.StreamResponse | Failure:
         balancer = self.fleet.balancer
         loop = asyncio.get_running_loop()
         to = settings.timeouts
@@ -269,6 +359,8 @@ class Proxy:
         # went away) releases the ticket as cancelled by the client.
         outcome = Outcome.CLIENT_CANCELLED
         tokens = 0
+        judged = True
+        timed = True
         resp: UpstreamResponse | None = None
         key = node.upstream_api_key()
         if key:
@@ -307,8 +399,10 @@ class Proxy:
             status = resp.status
             if status >= 500:
                 outcome = Outcome.UPSTREAM_5XX
+                judged = False
                 return Failure(outcome, 502, f"node {node.id} answered {status}: "
-                                             f"{_snippet(payload)}", "upstream_error")
+                                             f"{_snippet(payload)}", "upstream_error",
+                               judged=False)
             if status == 429:
                 outcome = Outcome.UPSTREAM_429
                 return Failure(outcome, 503, f"node {node.id} is overloaded (429) and no other "
@@ -320,11 +414,12 @@ class Proxy:
                     outcome = Outcome.CLIENT_ERROR
                 else:
                     outcome = Outcome.OK
+                    verdicts.served = True
                     tokens = usage_completion_tokens(payload) or 0
                     self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens)
                     note(tokens=tokens)
                 balancer.on_finish(ticket, now, outcome, tokens)
-                self.metrics.request_done(req.model, status)
+                self._done(request, req.model, status)
                 return web.Response(status=status, body=payload,
                                     headers=_response_headers(resp, node.id))
             if not payload:
@@ -332,12 +427,14 @@ class Proxy:
                 return Failure(outcome, 502, f"node {node.id} ended its stream before any data",
                                "upstream_error")
             # Committed: from here on, the client has the answer's first bytes.
-            outcome, tokens, out = await self._stream(request, node, ticket, resp, payload,
-                                                      req, to, deadline, t0)
+            verdicts.served = status < 400
+            outcome, tokens, timed, out = await self._stream(request, node, ticket, resp,
+                                                             payload, req, to, deadline, t0)
             return out
         finally:
             if not ticket.released:
-                balancer.on_finish(ticket, time.monotonic(), outcome, tokens)
+                balancer.on_finish(ticket, time.monotonic(), outcome, tokens, judged=judged,
+                                   timed=timed)
             if resp is not None:
                 if outcome is Outcome.OK or outcome is Outcome.CLIENT_ERROR:
                     resp.release()  # read to the end: the connection is reusable
@@ -347,8 +444,14 @@ class Proxy:
     async def _stream(self, request: web.Request, node: NodeConfig, ticket: Ticket,
                       resp: UpstreamResponse, first: bytes, req: RoutedRequest,
                       to: Timeouts, deadline: float,
-                      t0: float) -> tuple[Outcome, int, web.StreamResponse]:
-        """Pass a stream through; returns the outcome, output tokens and the response."""
+                      t0: float) -> tuple[Outcome, int, bool, web.StreamResponse]:
+        """Pass a stream through.
+
+        Returns the outcome, the output tokens, whether the stream's pace was
+        the node's (False when the client read slowly: the gateway's writes to
+        it were held back, so its time per token says nothing of the node)
+        and the response.
+        """
         balancer = self.fleet.balancer
         loop = asyncio.get_running_loop()
         t_first = time.monotonic()
@@ -356,18 +459,22 @@ class Proxy:
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp, node.id))
         counter = SseCounter()
         counter.feed(first)
+        protocol = request.protocol
+        pauses = getattr(protocol, "write_pauses", 0)
         try:
             await out.prepare(request)
             await out.write(first)
         except ConnectionError:
-            self.metrics.request_done(req.model, CLIENT_CLOSED)
-            return Outcome.CLIENT_CANCELLED, counter.output_tokens(), out
+            self._done(request, req.model, CLIENT_CLOSED)
+            return Outcome.CLIENT_CANCELLED, counter.output_tokens(), False, out
         last = t_first
         max_gap = 0.0
         idle = to.idle_s
+        write_s = self.fleet.config.client.write_timeout_s
         error: tuple[Outcome, int, str, str] | None = None
+        watchdog = IdleTimeout(loop, idle, deadline, write_s)
         try:
-            async with IdleTimeout(loop, idle, deadline) as watchdog:
+            async with watchdog:
                 while True:
                     chunk = await resp.readany()
                     if not chunk:
@@ -378,15 +485,25 @@ class Proxy:
                     last = now
                     counter.feed(chunk)
                     watchdog.touch()
+                    watchdog.writing = True
                     try:
                         await out.write(chunk)
                     except ConnectionError as exc:
                         raise _ClientGone from exc
+                    watchdog.writing = False
         except _ClientGone:
-            self.metrics.request_done(req.model, CLIENT_CLOSED)
-            return Outcome.CLIENT_CANCELLED, counter.output_tokens(), out
+            self._done(request, req.model, CLIENT_CLOSED)
+            return Outcome.CLIENT_CANCELLED, counter.output_tokens(), False, out
         except TimeoutError:
-            total = loop.time() >= deadline
+            if watchdog.cause == "client":
+                # It read nothing for write_s: the client's doing, never the node's.
+                note(origin="client_slow_read")
+                self.metrics.client_closed_reason("slow_reader")
+                self._done(request, req.model, CLIENT_CLOSED)
+                if request.transport is not None:
+                    request.transport.abort()
+                return Outcome.CLIENT_CANCELLED, counter.output_tokens(), False, out
+            total = watchdog.cause == "total"
             error = (Outcome.TIMEOUT, 504,
                      f"node {node.id} exceeded the request's total time" if total
                      else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout")
@@ -395,26 +512,31 @@ class Proxy:
                      f"node {node.id} failed in the middle of the stream: "
                      f"{type(exc).__name__}", "upstream_disconnected")
         tokens = counter.output_tokens()
+        timed = getattr(protocol, "write_pauses", 0) == pauses
         now = time.monotonic()
         if error is not None:
             origin, status, message, code = error
+            if origin is Outcome.TIMEOUT and not timed:
+                origin = Outcome.CLIENT_CANCELLED  # the wait overlapped the client's stalls
             note(origin=origin.value, tokens=tokens)
-            balancer.on_finish(ticket, now, origin, tokens)
+            balancer.on_finish(ticket, now, origin, tokens, timed=False)
             self.metrics.upstream_error(node.id, origin.value)
-            self.metrics.request_done(req.model, status)
+            self._done(request, req.model, status)
             with contextlib.suppress(ConnectionError):  # the client may be gone too
-                await out.write(sse_error_event(status, message, code))
-                await out.write_eof()
-            return origin, tokens, out
-        balancer.on_finish(ticket, now, Outcome.OK, tokens)
+                async with asyncio.timeout(write_s):
+                    await out.write(sse_error_event(status, message, code))
+                    await out.write_eof()
+            return origin, tokens, False, out
+        balancer.on_finish(ticket, now, Outcome.OK, tokens, timed=timed)
         tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
         self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens,
                               ttft=t_first - t0, tpot=tpot, max_gap=max_gap)
         note(ttft_s=round(t_first - t0, 4), tokens=tokens)
-        self.metrics.request_done(req.model, resp.status)
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
-        return Outcome.OK, tokens, out
+        self._done(request, req.model, resp.status)
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(write_s):
+                await out.write_eof()
+        return Outcome.OK, tokens, timed, out
 
 
 def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:

@@ -72,6 +72,11 @@ class ConfigReloader:
                 self.metrics.reloads.labels("error").inc()
                 log.error("fleet file %s not reloaded: %s", self.path, exc)
                 return None
+            except Exception:  # a parser bug must not end hot reload for good
+                self.metrics.reloads.labels("error").inc()
+                log.exception("fleet file %s not reloaded: unexpected error", self.path)
+                return None
+
             for w in new.warnings:
                 log.warning("%s", w)
             summary = await self.fleet.apply(new)
@@ -88,4 +93,8 @@ class ConfigReloader:
             triggered = self._wake.is_set()
             self._wake.clear()
             if triggered or _stamp(self.path) != self._stamp:
-                await self.reload()
+                try:
+                    await self.reload()
+                except Exception:  # applying failed: keep watching, say so
+                    self.metrics.reloads.labels("error").inc()
+                    log.exception("fleet file %s: applying the reload failed", self.path)

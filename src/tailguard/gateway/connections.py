@@ -1,0 +1,191 @@
+"""Client connection hygiene: a cap, a header-read timeout, slow readers, bad requests.
+
+aiohttp's server alone closes idle keep-alive connections (its
+``keepalive_timeout``, which the gateway sets to ``client.idle_timeout_s``)
+but has no cap on connections and no bound on how long a request's headers
+may take once they started to arrive: 500 slowloris connections and 20,000
+idle ones once held a gateway until its file descriptors ran out, and every
+new client got a reset with nothing logged. :class:`ClientConnections`
+wraps the protocol factory of the gateway's runner (:class:`GuardedRunner`)
+so that every connection is a :class:`GuardedHandler`, which
+
+* refuses a connection past ``client.max_connections`` with a plain
+  ``503`` and ``Connection: close`` (and a log line at most every 10 s), so
+  that the kernel's accept queue never fills with connections nobody serves;
+* closes a connection whose request headers are not complete
+  ``client.header_timeout_s`` after their first byte;
+* counts its own write pauses (:attr:`GuardedHandler.write_pauses`): the
+  proxy reads them to tell a client that reads slowly from a node that
+  streams slowly, and learns no speed from such a stream;
+* answers malformed HTTP with an OpenAI-shaped 400 and one log line at
+  info level, instead of aiohttp's text body and an ERROR traceback.
+
+Every close is counted in ``tailguard_client_connections_closed_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from tailguard.gateway.api_errors import error_body
+from tailguard.gateway.config import ClientSettings
+
+log = logging.getLogger("tailguard.gateway.connections")
+
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
+_LOG_EVERY_S = 10.0
+
+
+class ClientConnections:
+    """The gateway's client connections: counted, capped and timed out."""
+
+    def __init__(self, settings: Callable[[], ClientSettings],
+                 on_close: Callable[[str], None] | None = None) -> None:
+        self.settings = settings  # read per connection: a reload applies to new ones
+        self.on_close = on_close or (lambda reason: None)
+        self.open = 0
+        self.refused = 0
+        self._last_log = -_LOG_EVERY_S
+
+    def factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+        kwargs: dict[str, Any] = dict(getattr(server, "_kwargs", {}))
+
+        def make() -> asyncio.Protocol:
+            # Per connection, so that a reloaded idle timeout applies to new ones.
+            kwargs["keepalive_timeout"] = self.settings().idle_timeout_s
+            return GuardedHandler(server, self, loop=asyncio.get_running_loop(), **kwargs)
+
+        return make
+
+    def refuse(self) -> bool:
+        """Whether a new connection is over the cap (counts and logs it if so)."""
+        cap = self.settings().max_connections
+        if self.open < cap:
+            return False
+        self.refused += 1
+        self.on_close("over_capacity")
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.warning("client connections at the cap (%d): new ones answered 503 "
+                        "(%d refused so far; client.max_connections)", cap, self.refused)
+        return True
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's request handler with the gateway's connection rules (see the module)."""
+
+    def __init__(self, manager: web.Server, guard: ClientConnections, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.guard = guard
+        self.write_pauses = 0
+        self._refused = False
+        self._counted = False
+        self._in_request = False
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.guard.refuse():
+            self._refused = True
+            body = error_body(503, "the gateway is at its client connection limit; retry",
+                              "too_many_connections")
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_REFUSAL % (len(body), body))
+            transport.close()
+            return
+        self.guard.open += 1
+        self._counted = True
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._counted:
+            self._counted = False
+            self.guard.open -= 1
+        self._disarm()
+        if not self._refused:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if data and not self._in_request and self._header_timer is None:
+            # The first bytes of a request: its headers must be complete in time.
+            timeout = self.guard.settings().header_timeout_s
+            self._header_timer = self._loop.call_later(timeout, self._header_timeout)
+        super().data_received(data)
+
+    def pause_writing(self) -> None:
+        self.write_pauses += 1
+        super().pause_writing()
+
+    async def _handle_request(self, request: BaseRequest, start_time: float | None,
+                              request_handler: Any) -> tuple[web.StreamResponse, bool]:
+        self._in_request = True
+        self._disarm()
+        try:
+            return await super()._handle_request(request, start_time, request_handler)
+        finally:
+            self._in_request = False
+
+    def _process_keepalive(self) -> None:
+        was_closing = self._force_close
+        super()._process_keepalive()
+        if self._force_close and not was_closing:
+            self.guard.on_close("idle_timeout")
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status != 400:  # a bug of ours: aiohttp logs it with its traceback
+            super().handle_error(request, status, exc, message)
+            resp = web.Response(status=status, content_type="application/json",
+                                body=error_body(status, "the gateway failed to handle the "
+                                                        "request", "internal_error"))
+            resp.force_close()
+            return resp
+        self.guard.on_close("bad_request")
+        reason = (getattr(exc, "message", None) or str(exc) or "bad request") if exc else (
+            message or "bad request")
+        log.info("malformed HTTP request from %s: %s", request.remote, str(reason)[:200])
+        resp = web.Response(status=400, body=error_body(400, f"malformed HTTP request: "
+                                                             f"{str(reason)[:200]}",
+                                                        "bad_http_request"),
+                            content_type="application/json")
+        resp.force_close()
+        return resp
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if not self._in_request:
+            self.guard.on_close("header_timeout")
+            self.force_close()
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+
+class GuardedRunner(web.AppRunner):
+    """An :class:`aiohttp.web.AppRunner` whose sites serve :class:`GuardedHandler` s."""
+
+    def __init__(self, app: web.Application, guard: ClientConnections, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
+    @property
+    def server(self) -> Any:
+        inner = super().server
+        return None if inner is None else self.guard.factory(inner)
+
+
+__all__ = ["ClientConnections", "GuardedHandler", "GuardedRunner"]
