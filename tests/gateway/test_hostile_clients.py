@@ -209,21 +209,35 @@ def test_slowloris_and_idle_connections_are_closed_in_time() -> None:
     asyncio.run(body())
 
 
-def test_connections_past_the_cap_get_503_and_a_log_line(
+def test_at_the_cap_idle_connections_make_room_and_busy_ones_get_503(
         caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
-        async with fleet_and_gateway(["a"], client={"max_connections": 10}) as (gw, _):
+        async with fleet_and_gateway(["a"], client={"max_connections": 10}) as (gw, (a,)):
+            guard = gw.app[CONNECTIONS]
             held = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(10)]
-            await wait_for(lambda: gw.app[CONNECTIONS].open == 10, what="10 open")
+            await wait_for(lambda: guard.open == 10, what="10 open")
+            # A real client still gets in: the oldest idle connection makes room.
+            status, _ = await raw_post(gw, json.dumps(BODY).encode(), {})
+            assert status == 200 and guard.evicted >= 1
+            assert await asyncio.wait_for(held[0][0].read(), 3.0) == b""
+            for _, w in held:
+                w.close()
+            await wait_for(lambda: guard.open == 0, what="released")
+            # Every connection busy with a request: a new one is refused with 503.
+            a.behavior.mode = "hang"
+            busy = [asyncio.ensure_future(raw_post(gw, json.dumps(BODY).encode(), {}))
+                    for _ in range(10)]
+            await wait_for(lambda: guard.open == 10 and all(h.busy for h in guard._handlers),
+                           what="10 busy")
             r, w = await asyncio.open_connection("127.0.0.1", gw.port)
             answer = await asyncio.wait_for(r.read(), 3.0)
             assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
             w.close()
-            for _, hw in held:
-                hw.close()
-            await wait_for(lambda: gw.app[CONNECTIONS].open == 0, what="released")
-            status, _ = await raw_post(gw, json.dumps(BODY).encode(), {})
-            assert status == 200
+            for t in busy:
+                t.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+            await wait_for(lambda: gw.fleet.balancer.nodes["a"].in_flight == 0, what="released")
+            nobody_blamed(gw)
 
     with caplog.at_level(logging.WARNING, "tailguard.gateway.connections"):
         asyncio.run(body())

@@ -349,3 +349,38 @@ def test_slow_reader_pauses_the_engine_side() -> None:
             client.close()
 
     asyncio.run(body())
+
+
+def test_idle_connections_are_reaped_after_the_keepalive_time() -> None:
+    """An idle pool must not hold sockets to a node for ever (they were never reaped)."""
+
+    async def body() -> None:
+        closed: list[int] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         n: int) -> None:
+            try:
+                await keepalive(OK_JSON)(reader, writer, n)
+            finally:
+                closed.append(n)
+
+        async with server(handle) as (url, conns):
+            client = UpstreamClient(keepalive_s=0.3)
+            # three connections at once, then all idle
+            answers = await asyncio.gather(*(client.post(url + "/x", HEADERS, b"{}")
+                                             for _ in range(3)))
+            for resp in answers:
+                await resp.read()
+                resp.release()
+            pool = client.pool_for(url)
+            assert pool is not None and len(pool.idle) == 3 and conns[0] == 3
+            await asyncio.sleep(0.8)
+            assert pool.idle == []  # reaped without any new request
+            for _ in range(20):
+                if len(closed) == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(closed) == [1, 2, 3]  # and the server saw them close
+            client.close()
+
+    asyncio.run(body())

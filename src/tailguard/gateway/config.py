@@ -227,7 +227,9 @@ class ClientSettings:
     (answered 408). ``idle_timeout_s``: a keep-alive connection with no new
     request, counted from its connect or its last answer (a connection that
     never completes a request is closed then too). ``max_connections``: open
-    client connections; one more is answered 503 and closed, with a log line.
+    client connections (default: half the file-descriptor limit); at the cap
+    the oldest connection without a request in progress is closed to make
+    room, and only when all are busy is a new one answered 503 and closed.
     ``write_timeout_s``: a streamed answer's client that takes nothing of it
     for this long is dropped (a slow reader: never charged to the node).
     """
@@ -236,7 +238,7 @@ class ClientSettings:
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 15.0
     write_timeout_s: float = 30.0
-    max_connections: int = 8192
+    max_connections: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,7 +622,8 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         _number(client_raw, "body_timeout_s", "client", c.body_timeout_s),
         _number(client_raw, "idle_timeout_s", "client", c.idle_timeout_s),
         _number(client_raw, "write_timeout_s", "client", c.write_timeout_s),
-        _integer(client_raw, "max_connections", "client", c.max_connections))
+        _integer(client_raw, "max_connections", "client", 1)
+        if "max_connections" in client_raw else None)
     return FleetConfig(
         listen=parse_listen(m.get("listen")),
         nodes=tuple(nodes),

@@ -9,9 +9,16 @@ new client got a reset with nothing logged. :class:`ClientConnections`
 wraps the protocol factory of the gateway's runner (:class:`GuardedRunner`)
 so that every connection is a :class:`GuardedHandler`, which
 
-* refuses a connection past ``client.max_connections`` with a plain
-  ``503`` and ``Connection: close`` (and a log line at most every 10 s), so
-  that the kernel's accept queue never fills with connections nobody serves;
+* at ``client.max_connections`` open connections, makes room for a new one
+  by closing the oldest connection that has no request in progress (an idle
+  keep-alive or one still sending its headers: what an attacker holds), as
+  nginx reuses keep-alive connections when it runs out; only when every
+  connection is serving a request is the new one refused with a plain
+  ``503`` and ``Connection: close`` (and a log line at most every 10 s).
+  Either way the kernel's accept queue never fills with connections nobody
+  serves, and 10,000 idle connections cannot lock a real client out. The
+  cap defaults to half the process's file-descriptor limit (the other half
+  is for the engines' connections);
 * closes a connection whose request headers are not complete
   ``client.header_timeout_s`` after their first byte;
 * counts its own write pauses (:attr:`GuardedHandler.write_pauses`): the
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +62,15 @@ class ClientConnections:
         self.on_close = on_close or (lambda reason: None)
         self.open = 0
         self.refused = 0
+        self.evicted = 0
+        self._handlers: dict[GuardedHandler, None] = {}  # open ones, oldest first
         self._last_log = -_LOG_EVERY_S
+
+    def cap(self) -> int:
+        configured = self.settings().max_connections
+        if configured is not None:
+            return configured
+        return default_max_connections()
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
         kwargs: dict[str, Any] = dict(getattr(server, "_kwargs", {}))
@@ -66,19 +82,58 @@ class ClientConnections:
 
         return make
 
-    def refuse(self) -> bool:
-        """Whether a new connection is over the cap (counts and logs it if so)."""
-        cap = self.settings().max_connections
-        if self.open < cap:
-            return False
-        self.refused += 1
-        self.on_close("over_capacity")
+    def admit(self, handler: GuardedHandler) -> bool:
+        """Whether ``handler``'s new connection may open (making room if it can)."""
+        cap = self.cap()
+        if self.open >= cap:
+            victim = next((h for h in self._handlers if not h.busy), None)
+            if victim is not None:  # the oldest connection doing nothing
+                self.evicted += 1
+                self.on_close("evicted")
+                victim.force_close()
+                self.forget(victim)
+                self._warn(f"client connections at the cap ({cap}): closing the oldest idle "
+                           f"ones to make room ({self.evicted} so far; client.max_connections)")
+            else:
+                self.refused += 1
+                self.on_close("over_capacity")
+                self._warn(f"client connections at the cap ({cap}), all serving requests: new "
+                           f"ones answered 503 ({self.refused} so far; client.max_connections)")
+                return False
+        self.open += 1
+        self._handlers[handler] = None
+        return True
+
+    def forget(self, handler: GuardedHandler) -> None:
+        if self._handlers.pop(handler, 0) is None:
+            self.open -= 1
+
+    def _warn(self, message: str) -> None:
         now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S:
             self._last_log = now
-            log.warning("client connections at the cap (%d): new ones answered 503 "
-                        "(%d refused so far; client.max_connections)", cap, self.refused)
-        return True
+            log.warning("%s", message)
+
+
+def default_max_connections() -> int:
+    """Half the soft file-descriptor limit (at least 64): the rest is for engines and files."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, soft // 2)
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft file-descriptor limit to the hard one (as Go's runtime does); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class GuardedHandler(RequestHandler):
@@ -89,12 +144,16 @@ class GuardedHandler(RequestHandler):
         self.guard = guard
         self.write_pauses = 0
         self._refused = False
-        self._counted = False
         self._in_request = False
         self._header_timer: asyncio.TimerHandle | None = None
 
+    @property
+    def busy(self) -> bool:
+        """A request is being served (its headers were complete)."""
+        return self._in_request
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.guard.refuse():
+        if not self.guard.admit(self):
             self._refused = True
             body = error_body(503, "the gateway is at its client connection limit; retry",
                               "too_many_connections")
@@ -102,14 +161,10 @@ class GuardedHandler(RequestHandler):
             transport.write(_REFUSAL % (len(body), body))
             transport.close()
             return
-        self.guard.open += 1
-        self._counted = True
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._counted:
-            self._counted = False
-            self.guard.open -= 1
+        self.guard.forget(self)
         self._disarm()
         if not self._refused:
             super().connection_lost(exc)

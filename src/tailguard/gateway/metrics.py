@@ -28,6 +28,7 @@ tailguard_upstream_errors_total                    counter    node, origin
 tailguard_balancer_events_total                    counter    kind, state
 tailguard_config_reloads_total                     counter    result
 tailguard_client_connections                       gauge      -
+tailguard_asyncio_tasks                            gauge      -
 tailguard_client_connections_closed_total          counter    reason
 tailguard_failure_verdicts_total                   counter    verdict
 tailguard_in_flight_requests                       gauge      node, gpu
@@ -64,12 +65,13 @@ checks that every metric exposed is documented there, and the reverse).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from tailguard.core.events import Event
@@ -136,6 +138,12 @@ class GatewayMetrics:
                                      ["reason"], registry=r)
         self.client_connections = Gauge("tailguard_client_connections",
                                         "Open client connections", registry=r)
+        # The process's memory, file descriptors and CPU (process_*), and its
+        # asyncio tasks: what a leak shows in first (benchmarks/soak.py reads them).
+        ProcessCollector(registry=r)
+        self.tasks = Gauge("tailguard_asyncio_tasks", "Asyncio tasks alive in the gateway",
+                           registry=r)
+        self.tasks.set_function(_task_count)
         self.failure_verdicts = Counter(
             "tailguard_failure_verdicts",
             "Upstream 5xx before the first byte, by whose fault a second node showed it was",
@@ -218,6 +226,13 @@ class GatewayMetrics:
 
     def on_event(self, ev: Event) -> None:
         self.events.labels(ev.kind, ev.state).inc()
+
+
+def _task_count() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # scraped outside the loop (a test's registry read)
+        return 0
 
 
 class FleetCollector:

@@ -15,11 +15,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
+import time
+import tracemalloc
+from pathlib import Path
 
 from tailguard.gateway.app import start_gateway
 from tailguard.gateway.config import FleetConfig
+from tailguard.gateway.connections import default_max_connections, raise_fd_limit
 
 log = logging.getLogger("tailguard.gateway")
 
@@ -36,6 +41,9 @@ def _loop_factory() -> asyncio.AbstractEventLoop:
 async def serve_forever(config: FleetConfig, host: str | None = None, port: int | None = None,
                         access_log: bool = False, record: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT, reloading on SIGHUP."""
+    fds = raise_fd_limit()  # before the first connection: the default cap derives from it
+    log.info("file descriptors: up to %d (client connections capped at %s)", fds,
+             config.client.max_connections or default_max_connections())
     gw = await start_gateway(config, host, port, access_log=access_log, record=record)
     tune_gc()
     loop = asyncio.get_running_loop()
@@ -44,6 +52,9 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
         loop.add_signal_handler(sig, stop.set)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, gw.reloader.trigger)
+    snapshots = os.environ.get("TAILGUARD_TRACEMALLOC_DIR")
+    if snapshots and hasattr(signal, "SIGUSR1"):
+        loop.add_signal_handler(signal.SIGUSR1, _tracemalloc_snapshot, Path(snapshots))
     nodes = len(config.nodes)
     print(f"tailguard gateway on {gw.url} ({nodes} node{'s' * (nodes != 1)}, models: "
           f"{', '.join(config.models) or 'none'}); metrics at {gw.url}/metrics, dashboard at "
@@ -59,6 +70,20 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
         if hasattr(signal, "SIGHUP"):
             loop.remove_signal_handler(signal.SIGHUP)
         await gw.runner.cleanup()
+
+
+def _tracemalloc_snapshot(folder: Path) -> None:
+    """SIGUSR1 with ``TAILGUARD_TRACEMALLOC_DIR`` set: write a tracemalloc snapshot there.
+
+    For hunting leaks (``benchmarks/soak.py --tracemalloc`` diffs two of them);
+    tracing starts at the first signal, so the first snapshot is the baseline.
+    """
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(12)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"snapshot-{time.time():.0f}.pickle"
+    tracemalloc.take_snapshot().dump(str(path))
+    log.info("tracemalloc snapshot written to %s", path)
 
 
 def tune_gc() -> None:

@@ -304,7 +304,8 @@ class UpstreamPool:
         self.port = port
         self.tls = tls
         self.keepalive_s = keepalive_s
-        self.idle: list[_Connection] = []
+        self.idle: list[_Connection] = []  # oldest first: put at the end, taken from the end
+        self._reaper: asyncio.TimerHandle | None = None
         # Counters for the metrics (gateway/upstream_metrics.py).
         self.opened = 0  # new connections
         self.reused = 0  # requests sent on a kept-alive connection
@@ -379,12 +380,34 @@ class UpstreamPool:
 
     def put_idle(self, conn: _Connection) -> None:
         self.idle.append(conn)
+        if self._reaper is None:
+            self._reaper = self.loop.call_at(self.loop.time() + self.keepalive_s, self._reap)
+
+    def _reap(self) -> None:
+        """Close the idle connections past ``keepalive_s`` (an idle pool must not hold
+        sockets to a node for ever); re-arm for the oldest one left."""
+        self._reaper = None
+        idle = self.idle
+        now = time.monotonic()
+        expired = 0
+        while expired < len(idle) and now - idle[expired].idle_since >= self.keepalive_s:
+            expired += 1
+        doomed = idle[:expired]
+        del idle[:expired]
+        for conn in doomed:
+            conn.abort()
+        if idle:
+            wait = idle[0].idle_since + self.keepalive_s - now
+            self._reaper = self.loop.call_at(self.loop.time() + max(wait, 0.05), self._reap)
 
     def forget(self, conn: _Connection) -> None:
         if conn in self.idle:
             self.idle.remove(conn)
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for conn in list(self.idle):
             conn.abort()
         self.idle.clear()
