@@ -50,7 +50,8 @@ FAULTS: tuple[dict[str, Any], ...] = (
     {"kind": "crash", "duration_s": 15},
     {"kind": "hang", "duration_s": 10},
 )
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
+         "wizards", "quietly", "hex")
 
 
 def free_port() -> int:
@@ -137,7 +138,7 @@ class Load:
                         self.closed_early += 1
                         return  # leaving the block closes the connection mid-stream
                 self.ok += 1
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             self.errors_before_first_byte += 1
 
 
@@ -258,7 +259,7 @@ def main() -> int:
         fleet = {
             "listen": f"127.0.0.1:{gw_port}",
             "nodes": [{"id": f"n{i}-{g.split('-')[0].lower()}", "url": u, "gpu": g,
-                       "models": [MODEL]} for i, (g, u) in enumerate(zip(GPUS, node_urls))],
+                       "models": [MODEL]} for i, (g, u) in enumerate(zip(GPUS, node_urls, strict=True))],
             "pools": {MODEL: {"policy": "tailguard", "slo": {"ttft_s": 2.0, "tpot_s": 0.1}}},
             "outliers": {"enabled": True},
         }
