@@ -218,6 +218,15 @@ class GuardedHandler(RequestHandler):
         resp.force_close()
         return resp
 
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError):
+            # The rest of a body that could not be decoded (bad gzip), drained after
+            # the proxy answered 400: the client's mistake, already answered.
+            log.info("request body not readable: %s", str(exc).replace("\n", " ")[:200])
+            return
+        super().log_exception(*args, **kw)
+
     def _header_timeout(self) -> None:
         self._header_timer = None
         if not self._in_request:
