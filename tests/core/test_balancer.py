@@ -105,3 +105,38 @@ def test_recorder_sees_every_input() -> None:
     assert ops[:3] == ["init", "add_pool", "add_node"]  # the fleet as it was built
     assert ops[3:] == ["pick", "first_token", "finish"]
     assert seen[3]["node"] == "n0" and seen[4]["ticket"] == seen[3]["ticket"]
+
+
+def test_short_answers_and_client_paced_streams_teach_no_decode_speed() -> None:
+    """Issue 11 D6: a burst of 2-token streams read 2.8x slow and degraded healthy nodes."""
+    b = make(1, "tailguard")
+    b.tick(0.0)  # the detector's records exist from the first tick
+    node = b.nodes["n0"]
+    now = 0.0
+    for tokens, timed in ((2, True), (7, True), (100, False)):
+        for _ in range(20):
+            t = b.pick(MODEL, 500, now)
+            expected = node.perf.step_time(1, 1 * (500 + 50))
+            b.on_first_token(t, now + 0.1)
+            b.on_finish(t, now + 0.1 + (tokens - 1) * expected * 3.0, Outcome.OK, tokens,
+                        timed=timed)
+            now += 10.0
+    assert node.capacity.decode.samples == 0
+    assert b.outliers is not None and b.outliers.health["n0"].decode.n == 0
+    assert node.tpot.count == 40  # observers still see what clients got
+    t = b.pick(MODEL, 500, now)  # the same slowness over a longer, node-paced answer is learnt
+    b.on_first_token(t, now + 0.1)
+    b.on_finish(t, now + 0.1 + 19 * node.perf.step_time(1, 550) * 3.0, Outcome.OK, 20)
+    assert node.capacity.decode.samples == 1
+
+
+def test_an_unjudged_failure_is_charged_only_when_blamed() -> None:
+    b = make(2)
+    b.tick(0.0)
+    assert b.outliers is not None
+    t = b.pick(MODEL, 10, 0.0, exclude=("n1",))
+    b.on_finish(t, 0.1, Outcome.UPSTREAM_5XX, 0, judged=False)
+    h = b.outliers.health["n0"]
+    assert (h.failures, h.consecutive_failures, b.nodes["n0"].in_flight) == (0, 0, 0)
+    b.blame("n0", Outcome.UPSTREAM_5XX, 0.2)
+    assert (h.failures, h.consecutive_failures) == (1, 1)
