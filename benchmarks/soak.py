@@ -13,9 +13,11 @@ timeouts and compares file descriptors and tasks with their values before the
 load (the baseline).
 
 ``--tracemalloc`` has the gateway write a tracemalloc snapshot at the end of
-the warm-up and at the end of the load (``TAILGUARD_TRACEMALLOC_DIR`` +
+the warm-up and after the final idle wait (``TAILGUARD_TRACEMALLOC_DIR`` +
 SIGUSR1) and prints the 15 biggest growths between them: where to look when
-the slope is not flat.
+the slope is not flat. Tracing starts at the first snapshot and its own
+bookkeeping grows RSS with every traced allocation, so measure the slope in
+a run without it.
 
     python benchmarks/soak.py                  # 30 minutes, 15 req/s
     python benchmarks/soak.py --minutes 5 --rate 10 --json soak.json
@@ -197,8 +199,6 @@ async def soak(args: argparse.Namespace, gw_pid: int, url: str, node_urls: list[
             if now < end:
                 samples.append(await sample(phase, t0))
         await runner
-        if snap_dir is not None:
-            gw.send_signal(signal.SIGUSR1)
         for u in node_urls:  # clear what is left before idling (a crashed node refuses)
             try:
                 async with s.delete(u + "/admin/faults") as r:
@@ -207,6 +207,8 @@ async def soak(args: argparse.Namespace, gw_pid: int, url: str, node_urls: list[
                 pass
         await asyncio.sleep(args.idle_s)  # idle and keep-alive timeouts close connections
         after = await sample("after", t0)
+        if snap_dir is not None:  # after the idle wait: what is still held is what leaked
+            gw.send_signal(signal.SIGUSR1)
     load_points = [(r["t_s"], r["rss_kib"]) for r in samples if r["phase"] == "load"]
     kib_per_min = slope_per_min(load_points)
     mb_per_h = kib_per_min * 60.0 / 1024.0

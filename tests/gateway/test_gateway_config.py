@@ -123,7 +123,7 @@ def test_api_keys_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"nodes": [_node(url="not a url")]}, "nodes[0].url"),
     ({"nodes": [_node(models=[])]}, "nodes[0].models"),
     ({"nodes": [_node(tp=0)]}, "nodes[0].tp"),
-    ({"nodes": [_node(engine="llamacpp")]}, "nodes[0].engine"),
+    ({"nodes": [_node(engine="ollama")]}, "nodes[0].engine"),
     ({"nodes": [_node(gpus="L4")]}, "nodes[0].gpus"),
     ({"nodes": [_node(), _node()]}, "nodes[1].id"),
     ({"nodes": "n0"}, "nodes"),

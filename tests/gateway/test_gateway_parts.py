@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
@@ -29,7 +32,37 @@ def test_sse_counter_is_independent_of_chunking(size: int) -> None:
     for i in range(0, len(STREAM), size):
         c.feed(STREAM[i:i + size])
     assert c.events == 4
-    assert c.output_tokens() == 3  # role event counted as one: documented approximation
+    assert c.output_tokens() == 2  # the role-only first event and [DONE] are not tokens
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize(("name", "tokens", "cached"), [
+    ("llamacpp_chat_stream.txt", 12, 24),  # no usage chunk: timings, role and finish events
+    ("llamacpp_completion_stream.txt", 9, 0),
+])
+def test_sse_counter_on_real_llamacpp_streams(name: str, tokens: int, cached: int) -> None:
+    raw = (FIXTURES / name).read_bytes()
+    for size in (7, 100, len(raw)):
+        c = SseCounter()
+        for i in range(0, len(raw), size):
+            c.feed(raw[i:i + size])
+        assert (c.output_tokens(), c.cached_tokens(), c.engine_error()) == (tokens, cached, False)
+    # The same stream without timings and usage: counted from its events, exactly.
+    bare = re.sub(rb',"timings":\{[^}]*\}', b"", raw)
+    bare = re.sub(rb',"usage":\{[^{}]*(\{[^{}]*\})?[^{}]*\}', b"", bare)
+    c = SseCounter()
+    c.feed(bare)
+    assert (c.output_tokens(), c.cached_tokens()) == (tokens, None)
+
+
+def test_sse_counter_sees_an_engine_error_event() -> None:
+    c = SseCounter()
+    c.feed(STREAM[:-14])
+    c.feed(b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
+    assert c.engine_error()
+    assert not SseCounter().engine_error()
 
 
 def test_sse_counter_reads_the_usage_chunk() -> None:
@@ -77,6 +110,13 @@ TGI = "tgi_batch_current_size 8\ntgi_queue_size 5 1712345678000\n"
 def test_engine_adapters(text: str, engine: str, sample: EngineSample) -> None:
     assert detect_engine(text) == engine
     assert parse_engine_metrics(text, engine) == sample
+
+
+def test_real_llamacpp_metrics_page() -> None:
+    """A page saved from llama-server (0.94.0 source, --metrics, -np 4, 8 requests sent)."""
+    text = (FIXTURES / "llamacpp_metrics.txt").read_text()
+    assert detect_engine(text) == "llamacpp"
+    assert parse_engine_metrics(text, "llamacpp") == EngineSample(4, 4, -1.0)
 
 
 def test_engine_metrics_absent() -> None:

@@ -50,6 +50,11 @@ PRIORITY_SHARE = (1.0, 0.9, 0.8)
 # them: their TPOT is what their clients got.
 MIN_DECODE_TOKENS = 8
 
+# With no cached-token count from the engine, a TTFT this far below what the
+# node's learned speed predicts is taken for a prefix-cache hit (a cached
+# prompt on llama.cpp: 18 ms against 578 ms uncached) and teaches nothing.
+CACHE_HIT_RATIO = 0.25
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -75,7 +80,7 @@ class Ticket:
         "node",
         "permit",
         "pool",
-        "prefill_mark",
+        "pending_prefill",
         "presumed",
         "prompt_tokens",
         "released",
@@ -94,7 +99,7 @@ class Ticket:
         self.ahead_tokens = node.prefill_backlog
         self.batch_at_dispatch = node.in_flight + 1
         self.batch_at_first = 0
-        self.prefill_mark = 0
+        self.pending_prefill = False  # its prefill sample waits for the cached-token count
         self.presumed = False  # prompt counted as prefilled without a first token
         self.released = False
         self.permit: Limiter | None = None  # the node's limiter, when its pool has limits
@@ -103,17 +108,19 @@ class Ticket:
     def node_id(self) -> str:
         return self.node.id
 
-    def expected_ttft(self) -> float:
+    def expected_ttft(self, cached_tokens: int = 0) -> float:
         """Roofline TTFT for the conditions at dispatch (its prompt, the backlog
         ahead of it, the batch it joined), without the node's learned corrections:
-        the router's prediction before its slowdown factor."""
+        the router's prediction before its slowdown factor. ``cached_tokens`` of
+        the prompt were served from the engine's prefix cache: no prefill work."""
         node = self.node
         perf = node.perf
         pool = self.pool
         running = running_batch(perf, node.slots, self.batch_at_dispatch,
                                 pool.mean_prompt + pool.mean_output)
         step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
-        return prefill_s(perf, self.ahead_tokens, self.prompt_tokens) + step
+        own = max(0, self.prompt_tokens - cached_tokens)
+        return prefill_s(perf, self.ahead_tokens, own) + step
 
 
 class Pool:
@@ -342,43 +349,76 @@ class Balancer:
         pool.mean_prompt += (prompt_tokens - pool.mean_prompt) * 0.01
         return ticket
 
-    def on_first_token(self, ticket: Ticket, now: float) -> None:
+    def on_first_token(self, ticket: Ticket, now: float, *, defer_prefill: bool = False) -> None:
+        """The request's first token arrived.
+
+        ``defer_prefill``: the driver learns at the finish how much of the prompt
+        the engine served from its prefix cache (``on_finish(cached_tokens=)``), so
+        the prefill sample waits for it: a cached prompt's TTFT must neither teach
+        a fast prefill nor make an uncached one look slow. The simulator, whose
+        engine model has no prefix cache, learns at once.
+        """
         if ticket.t_first >= 0.0 or ticket.released:
             return
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "first_token", "ticket": ticket.id})
+            rec: dict[str, Any] = {"t": now, "op": "first_token", "ticket": ticket.id}
+            if defer_prefill:
+                rec["defer"] = True
+            self.recorder(rec)
         node = ticket.node
         ticket.t_first = now
         ticket.batch_at_first = node.in_flight
-        ticket.prefill_mark = node.prefill_tokens_total
         if not ticket.presumed:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.prompt_tokens
             node.decoding += 1
-        ttft = now - ticket.t_dispatch
-        node.ttft.update(ttft, now)
+        node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
-        # The same prediction the router made, without the node's learned
-        # corrections, for the conditions the request met at dispatch.
-        expected = ticket.expected_ttft()
-        node.capacity.prefill.update(ttft, expected)
+        if defer_prefill:
+            ticket.pending_prefill = True
+            if self.outliers is not None:
+                self.outliers.on_progress(node, now)
+        else:
+            self._learn_prefill(ticket, 0)
         queue = pool.queue
         if queue is not None and queue.length:  # a shorter backlog may admit a waiter
             self._drain(pool, now, self._queue_decisions, scan=False)
             if self._queue_decisions and self.on_queue_decision is not None:
                 self.on_queue_decision()
+
+    def _learn_prefill(self, ticket: Ticket, cached_tokens: int | None) -> None:
+        """Learn the node's prefill speed from the ticket's TTFT.
+
+        ``cached_tokens`` None: the engine did not say. A sample then more than
+        ``1 / CACHE_HIT_RATIO`` times faster than the node's learned speed is
+        taken for a prefix-cache hit and teaches nothing (caching can only make
+        a prefill faster, so the slow side of the evidence stays trustworthy).
+        """
+        ticket.pending_prefill = False
+        node = ticket.node
+        ttft = ticket.t_first - ticket.t_dispatch
+        # The same prediction the router made, without the node's learned
+        # corrections, for the conditions the request met at dispatch.
+        expected = ticket.expected_ttft(cached_tokens or 0)
+        if (cached_tokens is None and expected > 0.0
+                and ttft < CACHE_HIT_RATIO * expected * node.capacity.prefill_slowdown):
+            node.presumed_cache_hits += 1
+            return
+        node.capacity.prefill.update(ttft, expected)
         if self.outliers is not None:
-            self.outliers.on_prefill(node, ttft, expected, now)
+            self.outliers.on_prefill(node, ttft, expected, ticket.t_first)
 
     def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int,
-                  *, judged: bool = True, timed: bool = True) -> None:
+                  *, judged: bool = True, timed: bool = True,
+                  cached_tokens: int | None = None) -> None:
         """Release the ticket's permit (exactly once) and learn from the request.
 
         ``judged=False``: a node failure whose cause is not known yet (a 5xx
         that the request itself may have caused); the detector hears of it
         only through a later :meth:`blame`. ``timed=False``: the answer's pace
         was the client's, not the node's (it read slowly), so no speed is
-        learned from it.
+        learned from it. ``cached_tokens``: the prompt tokens the engine reported
+        served from its prefix cache (for a first token that deferred its sample).
         """
         if ticket.released:
             self.double_release += 1
@@ -390,9 +430,13 @@ class Balancer:
                 rec["judged"] = False
             if not timed:
                 rec["timed"] = False
+            if cached_tokens is not None:
+                rec["cached_tokens"] = cached_tokens
             self.recorder(rec)
         ticket.released = True
         node = ticket.node
+        if ticket.pending_prefill:
+            self._learn_prefill(ticket, cached_tokens)
         node.in_flight -= 1
         if ticket.t_first < 0.0 and not ticket.presumed:
             node.prefilling -= 1

@@ -146,6 +146,7 @@ class Node:
         "prefill_backlog",
         "prefill_tokens_total",
         "prefilling",
+        "presumed_cache_hits",
         "slots",
         "spec",
         "state",
@@ -168,6 +169,9 @@ class Node:
         self.decoding = 0
         self.dispatched_total = 0
         self.prefill_tokens_total = 0  # prompt tokens ever dispatched here
+        # First tokens too fast for the node's speed with no cached-token count
+        # from the engine: taken for prefix-cache hits, not learnt from.
+        self.presumed_cache_hits = 0
         # The GPU class's learned slowdowns (geometric mean over its nodes),
         # which is what the router uses; refreshed by Balancer.tick.
         self.class_decode_slowdown = 1.0

@@ -260,6 +260,12 @@ class OutlierDetector:
     # Records are created by tick (every node, every tick): the request path
     # only looks them up, and drops the samples of a node not yet ticked.
 
+    def on_progress(self, node: Node, now: float) -> None:
+        """The node produced a first token (its sample may come later)."""
+        h = self.health.get(node.id)
+        if h is not None:
+            h.last_progress = now
+
     def on_prefill(self, node: Node, ttft: float, expected: float, now: float) -> None:
         h = self.health.get(node.id)
         if h is not None:

@@ -119,7 +119,7 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
         elif op == "first_token":
             t = tickets.get(rec["ticket"])
             if t is not None:
-                balancer.on_first_token(t, rec["t"])
+                balancer.on_first_token(t, rec["t"], defer_prefill=rec.get("defer", False))
         elif op == "no_first_token":
             t = tickets.get(rec["ticket"])
             if t is not None:
@@ -128,7 +128,8 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
             t = tickets.pop(rec["ticket"], None)
             if t is not None:
                 balancer.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"],
-                                   judged=rec.get("judged", True), timed=rec.get("timed", True))
+                                   judged=rec.get("judged", True), timed=rec.get("timed", True),
+                                   cached_tokens=rec.get("cached_tokens"))
         elif op == "blame":
             balancer.blame(rec["node"], Outcome(rec["outcome"]), rec["t"])
         elif op == "engine_metrics":

@@ -62,7 +62,7 @@ from tailguard.errors import ConfigError
 from tailguard.remediation.config import RemediationConfig, parse_remediation
 
 #: Engines whose metric names the gateway knows (``None`` in a node: detect).
-ENGINES = ("vllm", "sglang", "trtllm", "tgi")
+ENGINES = ("vllm", "sglang", "trtllm", "tgi", "llamacpp")
 DEFAULT_LISTEN = ("127.0.0.1", 8080)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 

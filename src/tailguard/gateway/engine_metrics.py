@@ -12,7 +12,16 @@ trtllm     trtllm_num_requests_running      trtllm_num_requests_waiting     trtl
            (Triton backend: nv_trt_llm_request_metrics{request_type="scheduled"|"waiting"},
            nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"})
 tgi        tgi_batch_current_size           tgi_queue_size                  (not exported)
+llamacpp   llamacpp:requests_processing     llamacpp:requests_deferred      (not exported)
 =========  ===============================  ==============================  ==============================================
+
+llama.cpp's ``llama-server`` serves this page only with ``--metrics`` (else
+501). Its ``prompt_tokens_seconds`` and ``predicted_tokens_seconds`` gauges
+are averages since the *previous* scrape, so every scraper resets them for
+the others: tailguard reads none of them (its own accounting measures
+throughput); the counters (``prompt_tokens_total``,
+``prompt_tokens_cached_total``, ``tokens_predicted_total``) are safe to
+read by anyone.
 
 A node whose ``engine`` is not configured is detected from the first page
 that names one of these families. Values of several label sets (an engine
@@ -63,6 +72,8 @@ ADAPTERS: dict[str, EngineAdapter] = {
         ("trtllm_kv_cache_utilization",
          'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}')),
     "tgi": EngineAdapter("tgi", ("tgi_",), ("tgi_batch_current_size",), ("tgi_queue_size",)),
+    "llamacpp": EngineAdapter("llamacpp", ("llamacpp:",), ("llamacpp:requests_processing",),
+                              ("llamacpp:requests_deferred",)),
 }
 
 

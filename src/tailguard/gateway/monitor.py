@@ -10,7 +10,9 @@ Two loops per node, both plain ``GET`` requests on the shared client session:
   (admin API, ``tailguard_node_engine_metrics_stale``) and withdraws it from
   the balancer by reporting -1 ("not reported"), so no decision rests on a
   picture of the engine that is seconds old. A node without a metrics page
-  (404) is asked again only every 30 s.
+  (404, 405, or 501: llama-server started without ``--metrics``) is asked
+  again only every 30 s, and scrapes that keep failing (the node is down, or
+  its page names no known engine) back off exponentially up to 5 s.
 * **health** ``{url}{health.path}`` every ``health.interval_s``: after
   ``failures`` consecutive failures (non-2xx, connect error, timeout) the node
   is reported down (the live fleet takes it out of rotation with
@@ -34,6 +36,7 @@ from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_
 log = logging.getLogger("tailguard.gateway.monitor")
 
 NO_METRICS_RETRY_S = 30.0
+SCRAPE_BACKOFF_MAX_S = 5.0
 
 SampleCallback = Callable[[str, float, EngineSample | None], None]
 HealthCallback = Callable[[str, bool], None]
@@ -63,6 +66,7 @@ class NodeMonitor:
         self.stale = False
         self.metrics_missing = False
         self.scrape_errors = 0
+        self.failing = 0  # scrapes failed in a row: the next ones back off
         self.up = True
         self.checks_failed = 0  # consecutive
         self.checks_passed = 0  # consecutive
@@ -94,8 +98,14 @@ class NodeMonitor:
         timeout = aiohttp.ClientTimeout(total=self.scrape.timeout_s)
         try:
             async with self.session.get(url, timeout=timeout, headers=self._headers) as resp:
-                if resp.status == 404:
+                if resp.status in (404, 405, 501):
+                    # No metrics served (llama-server without --metrics answers 501):
+                    # ask again rarely, and say why.
                     self.metrics_missing = True
+                    self.last_error = (f"metrics: HTTP {resp.status}: the engine serves no "
+                                       f"metrics (llama-server needs --metrics)"
+                                       if resp.status == 501 else
+                                       f"metrics: HTTP {resp.status}: no metrics page")
                     return
                 if resp.status != 200:
                     self.scrape_errors += 1
@@ -107,6 +117,7 @@ class NodeMonitor:
             self.last_error = f"metrics: {type(exc).__name__}: {exc}"
             return
         self.metrics_missing = False
+        self.failing = 0
         if self.engine is None:
             self.engine = detect_engine(text)
             if self.engine is None:
@@ -136,7 +147,15 @@ class NodeMonitor:
             await self.scrape_once()
             now = time.monotonic()
             self.check_stale(now)
-            wait = NO_METRICS_RETRY_S if self.metrics_missing else interval - (now - start)
+            if self.metrics_missing:
+                wait = NO_METRICS_RETRY_S
+            elif self.sample_at < 0 or now - self.sample_at > interval * 1.5:
+                # Failing (down, refusing, a page without engine metrics): back off
+                # exponentially, up to SCRAPE_BACKOFF_MAX_S.
+                self.failing += 1
+                wait = min(interval * 2 ** min(self.failing, 8), SCRAPE_BACKOFF_MAX_S)
+            else:
+                wait = interval - (now - start)
             await asyncio.sleep(max(wait, 0.01))
 
     # -- health --------------------------------------------------------------

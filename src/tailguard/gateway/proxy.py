@@ -96,7 +96,7 @@ _REQUEST_SKIP = frozenset({
 _BODY_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
 _RESPONSE_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "content-length", "date", "server",
+    "transfer-encoding", "upgrade", "content-length", "date",
 })
 CLIENT_CLOSED = 499  # nginx's code for "the client went away", used in metrics only
 PRIORITY_HEADER = "x-tailguard-priority"
@@ -455,7 +455,8 @@ class Proxy:
         balancer = self.fleet.balancer
         loop = asyncio.get_running_loop()
         t_first = time.monotonic()
-        balancer.on_first_token(ticket, t_first)
+        # Its prefill is learnt at the end, once the usage says what was cached.
+        balancer.on_first_token(ticket, t_first, defer_prefill=True)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp, node.id))
         counter = SseCounter()
         counter.feed(first)
@@ -514,12 +515,25 @@ class Proxy:
         tokens = counter.output_tokens()
         timed = getattr(protocol, "write_pauses", 0) == pauses
         now = time.monotonic()
+        if error is None and counter.engine_error():
+            # The engine ended the stream with its own error event: relayed as it
+            # is, but no success. The request may have caused it: unjudged.
+            note(origin="engine_error_mid_stream", tokens=tokens)
+            balancer.on_finish(ticket, now, Outcome.UPSTREAM_5XX, tokens, judged=False,
+                               timed=False, cached_tokens=counter.cached_tokens())
+            self.metrics.upstream_error(node.id, "engine_error")
+            self._done(request, req.model, 502)
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(write_s):
+                    await out.write_eof()
+            return Outcome.UPSTREAM_5XX, tokens, False, out
         if error is not None:
             origin, status, message, code = error
             if origin is Outcome.TIMEOUT and not timed:
                 origin = Outcome.CLIENT_CANCELLED  # the wait overlapped the client's stalls
             note(origin=origin.value, tokens=tokens)
-            balancer.on_finish(ticket, now, origin, tokens, timed=False)
+            balancer.on_finish(ticket, now, origin, tokens, timed=False,
+                               cached_tokens=counter.cached_tokens())
             self.metrics.upstream_error(node.id, origin.value)
             self._done(request, req.model, status)
             with contextlib.suppress(ConnectionError):  # the client may be gone too
@@ -527,7 +541,8 @@ class Proxy:
                     await out.write(sse_error_event(status, message, code))
                     await out.write_eof()
             return origin, tokens, False, out
-        balancer.on_finish(ticket, now, Outcome.OK, tokens, timed=timed)
+        balancer.on_finish(ticket, now, Outcome.OK, tokens, timed=timed,
+                           cached_tokens=counter.cached_tokens())
         tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
         self.metrics.answered(req.model, node.id, node.gpu_class, now - t0, tokens,
                               ttft=t_first - t0, tpot=tpot, max_gap=max_gap)
