@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from gateway_fakes import free_port
 
 LLAMA_VERSION = "0.94.0"
 MODEL_NAME = "smollm"
@@ -40,13 +40,6 @@ def find_engine() -> tuple[Path, Path]:
     pytest.skip(message)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass
 class LlamaServer:
     binary: Path
@@ -54,7 +47,7 @@ class LlamaServer:
     threads: int = 1
     slots: int = 2
     metrics: bool = True
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
