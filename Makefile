@@ -48,7 +48,7 @@ unit: $(STAMP)
 	$(BIN)/pytest
 
 test: sysdeps engines lint typecheck
-	TAILGUARD_REAL_ENGINES=required $(BIN)/pytest
+	REQUIRE_REAL_ENGINES=1 $(BIN)/pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py

@@ -29,13 +29,13 @@ def cache_dir() -> Path:
 
 def find_engine() -> tuple[Path, Path]:
     """(llama-server, model); skips the test when they are not built, fails when
-    ``TAILGUARD_REAL_ENGINES=required`` (``make test`` sets it after building them)."""
+    ``REQUIRE_REAL_ENGINES=1`` (``make test`` sets it after building them)."""
     binary = cache_dir() / f"llama.cpp-{LLAMA_VERSION}" / "llama-server"
     model = cache_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if binary.is_file() and model.is_file():
         return binary, model
     message = f"no llama-server at {binary} (run scripts/real_engines.sh)"
-    if os.environ.get("TAILGUARD_REAL_ENGINES") == "required":
+    if os.environ.get("REQUIRE_REAL_ENGINES") == "1":
         pytest.fail(message)
     pytest.skip(message)
 
