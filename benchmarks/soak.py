@@ -250,6 +250,8 @@ def main() -> int:
                     help="wait after the load before the final sample")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tracemalloc", action="store_true")
+    ap.add_argument("--no-gc-tuning", action="store_true",
+                    help="run the gateway with CPython's default collector thresholds")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
     if args.warmup_min is None:
@@ -271,6 +273,8 @@ def main() -> int:
         env = dict(os.environ)
         if snap_dir is not None:
             env["TAILGUARD_TRACEMALLOC_DIR"] = str(snap_dir)
+        if args.no_gc_tuning:
+            env["TAILGUARD_GC_TUNING"] = "0"
         tg = [sys.executable, "-m", "tailguard"]
         emu = subprocess.Popen([*tg, "emulate", "--fleet", str(path)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

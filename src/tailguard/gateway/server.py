@@ -45,7 +45,8 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
     log.info("file descriptors: up to %d (client connections capped at %s)", fds,
              config.client.max_connections or default_max_connections())
     gw = await start_gateway(config, host, port, access_log=access_log, record=record)
-    tune_gc()
+    if os.environ.get("TAILGUARD_GC_TUNING", "1") != "0":  # 0: CPython's defaults (diagnosis)
+        tune_gc()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
