@@ -45,8 +45,10 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
     log.info("file descriptors: up to %d (client connections capped at %s)", fds,
              config.client.max_connections or default_max_connections())
     gw = await start_gateway(config, host, port, access_log=access_log, record=record)
+    collector: asyncio.Task[None] | None = None
     if os.environ.get("TAILGUARD_GC_TUNING", "1") != "0":  # 0: CPython's defaults (diagnosis)
         tune_gc()
+        collector = asyncio.create_task(_collect_periodically(), name="gc")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,6 +73,28 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
         if hasattr(signal, "SIGHUP"):
             loop.remove_signal_handler(signal.SIGHUP)
         await gw.runner.cleanup()
+        if collector is not None:
+            collector.cancel()
+
+
+GC_FULL_EVERY_S = 10.0
+
+
+async def _collect_periodically(every_s: float = GC_FULL_EVERY_S) -> None:
+    """A full collection every ``every_s``, off the request path's allocation count.
+
+    With the young generation collected rarely (``tune_gc``), reference cycles
+    that survive it (a cancelled request's exception, traceback and frames)
+    waited for CPython's rare full collections: a 15 req/s soak grew 207 KiB/min
+    against 54 with the default thresholds. Objects frozen at startup are
+    skipped, so one pass over what the requests left is short.
+    """
+    while True:
+        await asyncio.sleep(every_s)
+        t0 = time.perf_counter()
+        found = gc.collect()
+        log.debug("gc: %d unreachable objects collected in %.1f ms", found,
+                  (time.perf_counter() - t0) * 1000)
 
 
 def _tracemalloc_snapshot(folder: Path) -> None:
