@@ -145,6 +145,7 @@ class GuardedHandler(RequestHandler):
         self.write_pauses = 0
         self._refused = False
         self._in_request = False
+        self._header_started = -1.0  # loop time of a pending request's first byte, or -1
         self._header_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -172,10 +173,12 @@ class GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if data and not self._in_request and self._header_timer is None:
+        if data and not self._in_request and self._header_started < 0.0:
             # The first bytes of a request: its headers must be complete in time.
-            timeout = self.guard.settings().header_timeout_s
-            self._header_timer = self._loop.call_later(timeout, self._header_timeout)
+            # One lazily re-armed timer per connection checks it (no timer per request).
+            self._header_started = self._loop.time()
+            if self._header_timer is None:
+                self._arm(self.guard.settings().header_timeout_s)
         super().data_received(data)
 
     def pause_writing(self) -> None:
@@ -185,7 +188,7 @@ class GuardedHandler(RequestHandler):
     async def _handle_request(self, request: BaseRequest, start_time: float | None,
                               request_handler: Any) -> tuple[web.StreamResponse, bool]:
         self._in_request = True
-        self._disarm()
+        self._header_started = -1.0
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
@@ -227,11 +230,21 @@ class GuardedHandler(RequestHandler):
             return
         super().log_exception(*args, **kw)
 
+    def _arm(self, delay: float) -> None:
+        self._header_timer = self._loop.call_later(delay, self._header_timeout)
+
     def _header_timeout(self) -> None:
         self._header_timer = None
-        if not self._in_request:
-            self.guard.on_close("header_timeout")
-            self.force_close()
+        started = self._header_started
+        if started < 0.0 or self._in_request or self._force_close:
+            return  # no request waiting for its headers: the timer rests until one starts
+        timeout = self.guard.settings().header_timeout_s
+        left = started + timeout - self._loop.time()
+        if left > 0.0:
+            self._arm(left)  # a later request started since: wait out its time
+            return
+        self.guard.on_close("header_timeout")
+        self.force_close()
 
     def _disarm(self) -> None:
         if self._header_timer is not None:

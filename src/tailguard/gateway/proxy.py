@@ -203,12 +203,17 @@ class Proxy:
             resp.force_close()
             return resp
         length = request.content_length
+        body: bytes | None
         try:
-            async with asyncio.timeout(timeout_s):
-                if length is not None and encoding == "identity":
-                    body = None if length > limit else await request.read()
-                else:  # chunked, or encoded: the limit applies to what it inflates to
-                    body = await _read_limited(request, limit)
+            if (length is not None and encoding == "identity" and length <= limit
+                    and request.content.is_eof()):
+                body = await request.read()  # arrived with the headers: nothing to wait for
+            else:
+                async with asyncio.timeout(timeout_s):
+                    if length is not None and encoding == "identity":
+                        body = None if length > limit else await request.read()
+                    else:  # chunked, or encoded: the limit applies to what it inflates to
+                        body = await _read_limited(request, limit)
         except TimeoutError:
             resp = error_response(408, f"the request body did not arrive within {timeout_s:g} s",
                                   "body_timeout")
