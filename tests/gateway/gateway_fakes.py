@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from tailguard.gateway.app import RunningGateway, run_gateway
@@ -225,3 +227,21 @@ async def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def wait_serving(url: str, proc: subprocess.Popen[bytes], path: str = "/health",
+                       timeout: float = 30.0) -> None:
+    """Until a gateway process started on ``url`` answers 200 on ``path``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url + path) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            assert proc.poll() is None, "the gateway process exited"
+            assert loop.time() < deadline, f"{url}{path} never answered 200"
+            await asyncio.sleep(0.05)

@@ -17,7 +17,14 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from gateway_fakes import FakeEngine, fleet_and_gateway, fleet_doc, free_port, wait_for
+from gateway_fakes import (
+    FakeEngine,
+    fleet_and_gateway,
+    fleet_doc,
+    free_port,
+    wait_for,
+    wait_serving,
+)
 from multidict import CIMultiDict
 
 from tailguard.core.events import Event
@@ -201,21 +208,13 @@ def test_serve_logs_json_lines(tmp_path: Path) -> None:
              "--log-format", "json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         url = f"http://127.0.0.1:{port}"
         try:
-            async with aiohttp.ClientSession() as s:
-                for _ in range(200):
-                    try:
-                        async with s.get(url + "/ready") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    assert proc.poll() is None
-                    await asyncio.sleep(0.05)
-                async with s.post(url + "/v1/chat/completions",
-                                  json={"model": "m", "messages": MSG, "stream": True},
-                                  headers={"x-request-id": "json-log-1"}) as r:
-                    assert r.status == 200 and r.headers["x-request-id"] == "json-log-1"
-                    await r.read()
+            await wait_serving(url, proc, "/ready", timeout=10.0)
+            async with aiohttp.ClientSession() as s, \
+                    s.post(url + "/v1/chat/completions",
+                           json={"model": "m", "messages": MSG, "stream": True},
+                           headers={"x-request-id": "json-log-1"}) as r:
+                assert r.status == 200 and r.headers["x-request-id"] == "json-log-1"
+                await r.read()
         finally:
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=20)

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from gateway_fakes import FakeEngine, fleet_doc, free_port
+from gateway_fakes import FakeEngine, fleet_doc, free_port, wait_serving
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 HOLD = 10_000
@@ -59,17 +59,7 @@ async def _body(tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        async with aiohttp.ClientSession() as s:
-            while True:
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert loop.time() < deadline and proc.poll() is None, "gateway did not start"
-                await asyncio.sleep(0.2)
+        await wait_serving(url, proc)
         await asyncio.sleep(0.5)
         baseline = _fds(proc.pid)
         t_open = loop.time()

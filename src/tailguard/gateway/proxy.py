@@ -528,9 +528,7 @@ class Proxy:
                                timed=False, cached_tokens=counter.cached_tokens())
             self.metrics.upstream_error(node.id, "engine_error")
             self._done(request, req.model, 502)
-            with contextlib.suppress(ConnectionError, TimeoutError):
-                async with asyncio.timeout(write_s):
-                    await out.write_eof()
+            await _end_stream(out, write_s)
             return Outcome.UPSTREAM_5XX, tokens, False, out
         if error is not None:
             origin, status, message, code = error
@@ -541,10 +539,7 @@ class Proxy:
                                cached_tokens=counter.cached_tokens())
             self.metrics.upstream_error(node.id, origin.value)
             self._done(request, req.model, status)
-            with contextlib.suppress(ConnectionError):  # the client may be gone too
-                async with asyncio.timeout(write_s):
-                    await out.write(sse_error_event(status, message, code))
-                    await out.write_eof()
+            await _end_stream(out, write_s, sse_error_event(status, message, code))
             return origin, tokens, False, out
         balancer.on_finish(ticket, now, Outcome.OK, tokens, timed=timed,
                            cached_tokens=counter.cached_tokens())
@@ -553,10 +548,18 @@ class Proxy:
                               ttft=t_first - t0, tpot=tpot, max_gap=max_gap)
         note(ttft_s=round(t_first - t0, 4), tokens=tokens)
         self._done(request, req.model, resp.status)
-        with contextlib.suppress(ConnectionError, TimeoutError):
-            async with asyncio.timeout(write_s):
-                await out.write_eof()
+        await _end_stream(out, write_s)
         return Outcome.OK, tokens, timed, out
+
+
+async def _end_stream(out: web.StreamResponse, write_s: float, last: bytes = b"") -> None:
+    """Write ``last`` (an SSE error event) and end the stream; a client gone or not
+    reading for ``write_s`` is left as it is: the answer is accounted already."""
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        async with asyncio.timeout(write_s):
+            if last:
+                await out.write(last)
+            await out.write_eof()
 
 
 def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
