@@ -76,6 +76,15 @@ def test_fault_specs_and_their_combination() -> None:
     assert state.speed_factor == 0.25
     assert state.error_rate == 0.75
     assert state.hang and not state.crash
+    assert not state.slow_link
+    link = combine([parse_fault({"kind": "slow_network", "delay_s": 0.2}),
+                    parse_fault({"kind": "network", "delay_s": 0.1, "jitter_s": 0.05})])
+    assert (link.delay_s, link.jitter_s) == (pytest.approx(0.3), 0.05) and link.slow_link
+    with pytest.raises(ConfigError) as err:
+        parse_fault({"kind": "network"})
+    assert err.value.field == "fault.delay_s"
+    with pytest.raises(ConfigError):
+        parse_fault({"kind": "network", "delay_s": 0, "jitter_s": 0})
 
 
 def test_request_parsing() -> None:

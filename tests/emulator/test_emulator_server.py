@@ -227,6 +227,36 @@ def test_throttle_fault_slows_tpot() -> None:
     run([EmulatedNode("h100", "H100")], body, speed=2)
 
 
+def test_network_fault_delays_every_write_and_loses_no_token() -> None:
+    async def body(emu: Emulator) -> None:
+        url = emu.urls["a"]
+
+        async def timed(stream: bool) -> tuple[float, bytes]:
+            t0 = time.perf_counter()
+            async with await chat(s, url, max_tokens=6, stream=stream) as r:
+                assert r.status == 200
+                raw = await r.read()
+            return time.perf_counter() - t0, raw
+
+        async with aiohttp.ClientSession() as s:
+            base, _ = await timed(True)
+            async with s.post(url + "/admin/faults",
+                              json={"kind": "network", "delay_s": 0.3, "duration_s": 30}) as r:
+                assert r.status == 200
+            slow, raw = await timed(True)
+            plain, doc = await timed(False)
+            async with s.delete(url + "/admin/faults") as r:
+                assert r.status == 200
+            again, _ = await timed(True)
+        # headers and at least one later write each wait 0.3 s
+        assert slow >= base + 0.55, (base, slow)
+        assert raw.count(b'"content"') >= 6 and raw.endswith(b"data: [DONE]\n\n")
+        assert plain >= 0.3 and b'"completion_tokens":6' in doc.replace(b" ", b"")
+        assert again < base + 0.25, (base, again)
+
+    run([EmulatedNode("a", "A100")], body, speed=math.inf)
+
+
 def test_errors_fault_rate_and_clear() -> None:
     async def body(emu: Emulator) -> None:
         url = emu.urls["a"]

@@ -183,7 +183,7 @@ async def set_fault(url: str, fault: dict[str, Any]) -> None:
 
 
 def test_engine_faults_under_load(tmp_path: Path) -> None:
-    """Crash, hang (SIGSTOP), kill -9, 5xx bursts: clients see no error before the first byte."""
+    """Crash, hang (SIGSTOP), kill -9, 5xx bursts, a slow link: no client error before the first byte."""
     ports = [free_port() for _ in range(3)]
     nodes = [{"id": f"n{i}", "url": f"http://127.0.0.1:{p}", "gpu": "H100", "models": ["m"]}
              for i, p in enumerate(ports)]
@@ -221,6 +221,14 @@ def test_engine_faults_under_load(tmp_path: Path) -> None:
                 # 4. n0 crashes (refuses connections) for 2 s
                 await set_fault(nodes[0]["url"], {"kind": "crash", "duration_s": 2})
                 await asyncio.sleep(3.0)
+                # 5. n1's link turns slow: every write waits longer than the first-byte
+                # timeout, so new requests there time out and go elsewhere
+                timeouts = gw.metrics.upstream_errors.labels("n1", "timeout")
+                before = timeouts._value.get()
+                await set_fault(nodes[1]["url"], {"kind": "network", "delay_s": 1.6,
+                                                  "jitter_s": 0.2, "duration_s": 3})
+                await asyncio.sleep(3.5)
+                assert timeouts._value.get() > before  # the slow link did bite
                 mark = load.ok
                 await wait_for(lambda: load.ok > mark + 20, timeout=20.0, what="recovered")
                 await load.stop()

@@ -8,6 +8,7 @@ One JSON/YAML object per fault::
     {"kind": "errors", "rate": 0.2}                          # 20% of requests get HTTP 500
     {"kind": "hang"}                                         # accept requests, never answer
     {"kind": "crash", "duration_s": 30}                      # fail all, refuse connections
+    {"kind": "network", "delay_s": 0.2, "jitter_s": 0.1}     # a slow link: each write waits
 
 ``at_s`` (default 0) delays the start, counted from emulator start for a
 fleet-file schedule and from the call for the admin API; ``duration_s``
@@ -17,7 +18,7 @@ scenario's fault list can be pasted into a fleet file.
 
 While several faults overlap, their effects combine the way independent
 causes would: throttle factors multiply (0.5 and 0.5 make 0.25), error rates
-combine as ``1 - prod(1 - r)``, and a node hangs or is down while any hang or
+combine as ``1 - prod(1 - r)``, network delays add up, and a node hangs or is down while any hang or
 crash is active. A stall is an event, not a state: clearing faults does not
 give back a pause already taken.
 """
@@ -31,9 +32,10 @@ from typing import Any
 
 from tailguard.errors import ConfigError
 
-KINDS = ("throttle", "stall", "errors", "hang", "crash")
-_ALIASES = {"error_rate": "errors", "pause": "stall", "slow": "throttle"}
-_KEYS = ("kind", "node", "at_s", "duration_s", "factor", "seconds", "pause_s", "period_s", "rate")
+KINDS = ("throttle", "stall", "errors", "hang", "crash", "network")
+_ALIASES = {"error_rate": "errors", "pause": "stall", "slow": "throttle", "slow_network": "network"}
+_KEYS = ("kind", "node", "at_s", "duration_s", "factor", "seconds", "pause_s", "period_s", "rate",
+         "delay_s", "jitter_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,8 @@ class FaultSpec:
     seconds: float = 0.0  # stall: length of one pause
     period_s: float | None = None  # stall: repeat the pause this often while active
     rate: float = 0.0  # errors: share of requests answered with HTTP 500
+    delay_s: float = 0.0  # network: every write to a client waits this long...
+    jitter_s: float = 0.0  # ...plus a uniform draw from [0, jitter_s)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "at_s": self.at_s,
@@ -56,6 +60,9 @@ class FaultSpec:
             out["period_s"] = self.period_s
         elif self.kind == "errors":
             out["rate"] = self.rate
+        elif self.kind == "network":
+            out["delay_s"] = self.delay_s
+            out["jitter_s"] = self.jitter_s
         return out
 
 
@@ -104,6 +111,14 @@ def parse_fault(raw: object, where: str = "fault") -> FaultSpec:
         if rate is None or not 0.0 < rate <= 1.0:
             raise ConfigError(f"{where}.rate", f"must be in (0, 1], got {raw.get('rate')!r}")
         return FaultSpec("errors", at_s, duration, rate=rate)
+    if kind == "network":
+        delay = _num(raw, "delay_s", where)
+        if delay is None:
+            raise ConfigError(f"{where}.delay_s", "is required for a network fault (seconds)")
+        jitter = _num(raw, "jitter_s", where) or 0.0
+        if delay + jitter == 0.0:
+            raise ConfigError(f"{where}.delay_s", "delay_s + jitter_s must be > 0")
+        return FaultSpec("network", at_s, duration, delay_s=delay, jitter_s=jitter)
     return FaultSpec(str(kind), at_s, duration)
 
 
@@ -115,10 +130,17 @@ class FaultState:
     error_rate: float = 0.0
     hang: bool = False
     crash: bool = False
+    delay_s: float = 0.0  # network: fixed wait before each write
+    jitter_s: float = 0.0  # network: upper bound of the random extra wait
+
+    @property
+    def slow_link(self) -> bool:
+        return self.delay_s + self.jitter_s > 0.0
 
 
 def combine(faults: list[FaultSpec]) -> FaultState:
     speed, ok, hang, crash = 1.0, 1.0, False, False
+    delay = jitter = 0.0
     for f in faults:
         if f.kind == "throttle":
             speed *= f.factor
@@ -128,4 +150,7 @@ def combine(faults: list[FaultSpec]) -> FaultState:
             hang = True
         elif f.kind == "crash":
             crash = True
-    return FaultState(speed, 1.0 - ok, hang, crash)
+        elif f.kind == "network":
+            delay += f.delay_s
+            jitter += f.jitter_s
+    return FaultState(speed, 1.0 - ok, hang, crash, delay, jitter)

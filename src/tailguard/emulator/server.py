@@ -25,6 +25,9 @@ What each fault does on the wire:
 ``errors``    that share of completion requests is answered ``500`` at once.
 ``hang``      completion requests and ``/health`` are accepted and never
               answered (until the hang ends); streams already running go on.
+``network``   a slow link: the answer's headers and every later write wait
+              ``delay_s`` plus up to ``jitter_s`` (tokens that arrive in the
+              meantime go out together, as over a congested link).
 ``crash``     every request held fails, every connection is dropped (RST), and
               the port is closed (connection refused) until the crash ends;
               the engine then restarts empty.
@@ -328,6 +331,7 @@ class EngineServer:
                 await p.wait()
             if p.failed:
                 return self._refuse(request) if self._down else _error(500, "request failed")
+            await self._link_delay()
             return web.Response(body=full_response(req, p.output, finish), content_type=JSON)
         finally:
             if not p.done:
@@ -336,6 +340,7 @@ class EngineServer:
     async def _stream(self, request: web.Request, req: ParsedRequest, p: Pending,
                       finish: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
+        await self._link_delay()
         await resp.prepare(request)
         tpl = ChunkTemplate(req)
         sent = 0
@@ -357,6 +362,7 @@ class EngineServer:
                                  if req.include_usage else None)
                         data += tpl.tail(finish, usage)
                 if data:
+                    await self._link_delay()
                     await resp.write(data)
                 if done:
                     break
@@ -366,6 +372,12 @@ class EngineServer:
         except ConnectionResetError:
             pass  # the client went away (or a crash dropped it); the caller cancels
         return resp
+
+    async def _link_delay(self) -> None:
+        """What a ``network`` fault costs one write (nothing without one)."""
+        state = self._state
+        if state.slow_link:
+            await asyncio.sleep(state.delay_s + state.jitter_s * self._rng.random())
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(body=models_body(self.node.models, self.max_model_len),
