@@ -204,6 +204,14 @@ def test_engine_faults_under_load(tmp_path: Path) -> None:
             load = Load(gw, workers=8, max_tokens=16)
             load.start()
             await wait_for(lambda: load.ok > 30, timeout=20.0, what="traffic")
+            # 0. n1's link turns slow: every write waits longer than the first-byte
+            # timeout, so new requests there time out and go elsewhere
+            timeouts = gw.metrics.upstream_errors.labels("n1", "timeout")
+            before = timeouts._value.get()
+            await set_fault(nodes[1]["url"], {"kind": "network", "delay_s": 1.6,
+                                              "jitter_s": 0.2, "duration_s": 3})
+            await asyncio.sleep(3.5)
+            assert timeouts._value.get() > before  # the slow link did bite
             # 1. a burst of 5xx from n0
             await set_fault(nodes[0]["url"], {"kind": "errors", "rate": 1.0, "duration_s": 2})
             await asyncio.sleep(2.5)
@@ -221,14 +229,6 @@ def test_engine_faults_under_load(tmp_path: Path) -> None:
                 # 4. n0 crashes (refuses connections) for 2 s
                 await set_fault(nodes[0]["url"], {"kind": "crash", "duration_s": 2})
                 await asyncio.sleep(3.0)
-                # 5. n1's link turns slow: every write waits longer than the first-byte
-                # timeout, so new requests there time out and go elsewhere
-                timeouts = gw.metrics.upstream_errors.labels("n1", "timeout")
-                before = timeouts._value.get()
-                await set_fault(nodes[1]["url"], {"kind": "network", "delay_s": 1.6,
-                                                  "jitter_s": 0.2, "duration_s": 3})
-                await asyncio.sleep(3.5)
-                assert timeouts._value.get() > before  # the slow link did bite
                 mark = load.ok
                 await wait_for(lambda: load.ok > mark + 20, timeout=20.0, what="recovered")
                 await load.stop()

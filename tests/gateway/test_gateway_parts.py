@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tailguard.core.retry_budget import RetryBudget
 from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
 from tailguard.gateway.openai_request import (
     CHAT,
@@ -15,7 +16,6 @@ from tailguard.gateway.openai_request import (
     InvalidRequest,
     parse_request,
 )
-from tailguard.gateway.retry_budget import RetryBudget
 from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 
 STREAM = (

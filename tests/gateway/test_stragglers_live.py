@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from tailguard.emulator import EmulatedNode, run_emulator
-from tailguard.gateway.app import PROXY, RunningGateway, run_gateway
+from tailguard.gateway.app import RunningGateway, run_gateway
 from tailguard.gateway.config import parse_fleet
 
 MODEL = "llama-3.1-8b"
@@ -234,7 +234,7 @@ def test_hedge_with_the_learned_per_request_delay(monkeypatch: pytest.MonkeyPatc
             async with run_gateway(parse_fleet(doc)) as gw:
                 for _ in range(30):  # warm-up: the hedger learns the class's TTFTs
                     await stream(gw)
-                hedger = gw.app[PROXY].hedging.hedger(MODEL)
+                hedger = gw.fleet.hedger(MODEL)
                 assert hedger is not None
                 after = hedger.hedge_after("A100-80GB")
                 assert after is not None and after < 1.0  # learned, not a fixed value

@@ -66,9 +66,9 @@ observed/expected is 1.5, a request expected at 0.04 s (a short prompt, empty
 backlog) is due at 10.06, one expected at 0.30 s at 10.18 (the class's p95,
 not 10.45); either is hedged only if its node has been silent for 0.18 s.
 
-This class is the decision only; the simulator (:mod:`tailguard.sim.hedge`)
-and the gateway (:mod:`tailguard.gateway.hedge`) implement the duplicate and
-cancel mechanics around it.
+This class is the decision only; the exchange (:mod:`tailguard.core.exchange`)
+sends the duplicate, runs the race and cancels the loser, the same way for
+every driver.
 """
 
 from __future__ import annotations
@@ -207,3 +207,27 @@ class Hedger:
         self.credit -= 1.0
         self.hedges += 1
         return True
+
+    def refund(self) -> None:
+        """The hedge :meth:`try_hedge` paid for could not go anywhere: not spent."""
+        self.credit += 1.0
+        self.hedges -= 1
+
+
+class Hedgers:
+    """One :class:`Hedger` per pool, made anew when the pool's settings change."""
+
+    def __init__(self) -> None:
+        self._by_pool: dict[str, Hedger] = {}
+
+    def get(self, pool: str, config: HedgeConfig) -> Hedger | None:
+        """The pool's hedger, or None when its hedging is off."""
+        if not config.enabled:
+            return None
+        h = self._by_pool.get(pool)
+        if h is None or h.config != config:
+            h = self._by_pool[pool] = Hedger(config)
+        return h
+
+    def drop(self, pool: str) -> None:
+        self._by_pool.pop(pool, None)

@@ -57,6 +57,7 @@ from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
+from tailguard.core.retry_budget import RetryConfig
 from tailguard.core_options import parse_hedging, parse_outliers
 from tailguard.errors import ConfigError
 from tailguard.remediation.config import RemediationConfig, parse_remediation
@@ -95,21 +96,6 @@ class Timeouts:
 
 
 @dataclass(frozen=True, slots=True)
-class RetrySettings:
-    """Failover before the first byte reached the client.
-
-    ``attempts`` counts the first try; retries go to a node not tried yet.
-    ``budget`` is the share of requests that may be retried (Finagle's retry
-    budget: each request deposits ``budget`` tokens, each retry spends one),
-    plus ``min_per_s`` retries per second so a quiet pool can still fail over.
-    """
-
-    attempts: int = 3
-    budget: float = 0.2
-    min_per_s: float = 5.0
-
-
-@dataclass(frozen=True, slots=True)
 class PoolSettings:
     """One served model name: routing policy, SLO, timeouts and retries."""
 
@@ -119,7 +105,7 @@ class PoolSettings:
     slo: Slo = field(default_factory=Slo)
     catalog_model: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
-    retries: RetrySettings = field(default_factory=RetrySettings)
+    retries: RetryConfig = field(default_factory=RetryConfig)
     limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
     admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
     hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
@@ -431,18 +417,18 @@ def parse_timeouts(raw: Any, where: str) -> Timeouts:
                     _number(m, "total_s", where, b.total_s))
 
 
-def parse_retries(raw: Any, where: str) -> RetrySettings:
+def parse_retries(raw: Any, where: str) -> RetryConfig:
     if raw is None:
-        return RetrySettings()
+        return RetryConfig()
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = {"attempts": raw}
     m = require_mapping(raw, where)
     check_keys(m, ("attempts", "budget", "min_per_s"), where, extensions=True)
-    b = RetrySettings()
+    b = RetryConfig()
     budget = _number(m, "budget", where, b.budget, allow_zero=True)
     if budget > 1.0:
         raise ConfigError(f"{where}.budget", f"must be in [0, 1] (a share of requests), got {budget}")
-    return RetrySettings(_integer(m, "attempts", where, b.attempts),
+    return RetryConfig(_integer(m, "attempts", where, b.attempts),
                          budget, _number(m, "min_per_s", where, b.min_per_s, allow_zero=True))
 
 

@@ -35,11 +35,12 @@ import aiohttp
 
 from tailguard.core.balancer import Balancer, Event
 from tailguard.core.fleet import NodeState
+from tailguard.core.hedging import Hedger, Hedgers
+from tailguard.core.retry_budget import RetryBudget
 from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
 from tailguard.gateway.engine_metrics import EngineSample
 from tailguard.gateway.event_log import EventLog
 from tailguard.gateway.monitor import NodeMonitor
-from tailguard.gateway.retry_budget import RetryBudget
 
 log = logging.getLogger("tailguard.gateway.fleet")
 
@@ -78,6 +79,7 @@ class LiveFleet:
         self.event_log = EventLog()  # GET /admin/events: core events and remediation results
         self.event_listeners.append(self.event_log.on_core_event)
         self._budgets: dict[str, RetryBudget] = {}
+        self._hedgers = Hedgers()
         self._retiring: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -133,9 +135,12 @@ class LiveFleet:
     def budget(self, model: str) -> RetryBudget:
         b = self._budgets.get(model)
         if b is None:
-            r = self.config.pool(model).retries
-            b = self._budgets[model] = RetryBudget(r.budget, r.min_per_s)
+            b = self._budgets[model] = self.config.pool(model).retries.new_budget()
         return b
+
+    def hedger(self, model: str) -> Hedger | None:
+        """The pool's hedger; None when hedging is off for it."""
+        return self._hedgers.get(model, self.config.pool(model).hedging)
 
     def served_models(self) -> list[str]:
         """Model names some node in the fleet serves, in first-seen order."""

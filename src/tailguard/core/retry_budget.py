@@ -14,7 +14,27 @@ share of the 100 failed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 _ONE = 1.0 - 1e-9  # five deposits of 0.2 make one token despite rounding
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Failover before the first byte reached the client.
+
+    ``attempts`` counts the first try; retries go to a node not tried yet.
+    ``budget`` is the share of requests that may be retried (each request
+    deposits ``budget`` tokens, each retry spends one), plus ``min_per_s``
+    retries per second so a quiet pool can still fail over.
+    """
+
+    attempts: int = 3
+    budget: float = 0.2
+    min_per_s: float = 5.0
+
+    def new_budget(self) -> RetryBudget:
+        return RetryBudget(self.budget, self.min_per_s)
 
 
 class RetryBudget:

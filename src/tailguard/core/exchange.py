@@ -1,0 +1,477 @@
+"""One client request's lifecycle as a sans-IO state machine: the exchange.
+
+Every driver (the gateway, the simulator, the endpoint picker) runs a request
+the same way: it tells the exchange what happened (events in), and does what
+the exchange answers (actions out). The exchange does no I/O and reads no
+clock: ``now`` comes with every event. In the style of h11::
+
+    ex = Exchange(balancer, Request("m", prompt_tokens=812), RetryConfig(), budget)
+    actions = ex.arrive(now)                # [Dispatch(copy)] | [Queue(w)] | [Refuse] | [Fail]
+    ...                                     # the driver sends copy to copy.node_id
+    actions = ex.sent(copy, now)            # perhaps [ArmTimer(at)]: the hedge's moment
+    actions = ex.first_chunk(copy, now)     # committed; [Cancel(other)] if a race was on
+    actions = ex.finished(copy, now, Outcome.OK, output_tokens=143)
+
+Events: :meth:`arrive`, :meth:`queue_decision` (the balancer's queue placed
+or shed it), :meth:`sent`, :meth:`first_chunk`, :meth:`failed` (with the
+failure's origin), :meth:`finished`, :meth:`timer` and :meth:`client_gone`.
+Actions: :class:`Dispatch` a copy to a node (its ticket holds the permit),
+:class:`Queue` (wait for :meth:`queue_decision`), :class:`Cancel` a copy,
+:class:`ArmTimer`, and the two endings that answer the client with an
+error: :class:`Refuse` (429, shed) and :class:`Fail` (before or after the
+first byte). A successful exchange ends at :meth:`finished` with no action:
+the driver already relays the answer.
+
+What the exchange owns, so that no driver can differ:
+
+* the first attempt through admission (:meth:`Balancer.admit` where the pool
+  has limits or a queue, :meth:`Balancer.pick` otherwise);
+* retries while nothing reached the client: each to a node not tried yet,
+  within ``RetryConfig.attempts`` and the pool's :class:`RetryBudget`.
+  Retries never queue (a retry has already waited once, and the queue is for
+  arrivals; a fleet with no free node for it answers with the failure);
+* the hedge (one duplicate at most, streamed requests only, decided by the
+  pool's :class:`Hedger`) and its race: the first copy to commit wins, the
+  others are cancelled; a copy that fails while another runs drops out;
+* the request's priority on every copy;
+* every copy's permit released exactly once, whatever the ending;
+* whose failure a 5xx was: released unjudged, charged to its node only when
+  another node then served the request (:meth:`Balancer.blame`); two nodes
+  or more failing it, and none serving it, make it the request's doing.
+
+A copy is *committed* at its first chunk (or its complete answer): from then
+on no retry and no hedge, and a failure ends the exchange with
+``Fail(committed=True)`` (the gateway ends the stream with an SSE error event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tailguard.core.admission import Shed, Waiter
+from tailguard.core.balancer import Balancer, Ticket
+from tailguard.core.fleet import Outcome
+from tailguard.core.hedging import Hedger
+from tailguard.core.retry_budget import RetryBudget, RetryConfig
+
+RETRY_AFTER_S = "1"  # Retry-After of a 503 when no node can take the request
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the exchange needs to know of a client request."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None = None
+    priority: int = 1  # 0 high, 1 normal, 2 low
+    stream: bool = True  # only streamed requests are hedged (nothing reaches the client early)
+    ttft_s: float | None = None  # the client's own TTFT budget, for the queue's deadline
+    size_bytes: int = 0  # the body's size, for the queue's byte cap
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed attempt, and what the client gets if nothing else serves the request."""
+
+    origin: Outcome
+    status: int
+    message: str
+    code: str
+    retry_after: str | None = None
+    # A 5xx may be the request's doing rather than the node's: charged only
+    # once another node served the same request.
+    judged: bool = True
+
+
+NO_CAPACITY = "no_capacity"
+
+# Copy states.
+SENT, COMMITTED, ENDED = 0, 1, 2
+
+
+class Copy:
+    """One attempt of the exchange on one node: the first, a retry or the hedge."""
+
+    __slots__ = ("exchange", "hedge", "io", "state", "ticket")
+
+    def __init__(self, exchange: Exchange, ticket: Ticket, hedge: bool) -> None:
+        self.exchange = exchange
+        self.ticket = ticket
+        self.hedge = hedge
+        self.state = SENT
+        self.io: Any = None  # the driver's handle on it (a task, an engine request id)
+
+    @property
+    def node_id(self) -> str:
+        return self.ticket.node.id
+
+    def __repr__(self) -> str:
+        kind = "hedge" if self.hedge else "copy"
+        return f"<{kind} on {self.node_id}: {('sent', 'committed', 'ended')[self.state]}>"
+
+
+# -- actions ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send the request to ``copy.node_id``; report its events with ``copy``."""
+
+    copy: Copy
+    retry_of: Outcome | None = None  # the failure this retry follows, for metrics
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """Wait: the balancer's queue holds it; :meth:`Exchange.queue_decision` follows."""
+
+    waiter: Waiter
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop ``copy`` (close its connection, cancel it in the engine); its permit is released."""
+
+    copy: Copy
+
+
+@dataclass(frozen=True, slots=True)
+class ArmTimer:
+    """Call :meth:`Exchange.timer` at ``at`` (the exchange ignores a stale call)."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The end: answer 429 with ``Retry-After`` (shed at admission)."""
+
+    shed: Shed
+    status: int = 429
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The end: the request failed. ``committed``: after its first byte (an SSE
+    error event ends the stream); else an error answer with ``failure.status``."""
+
+    failure: Failure
+    node_id: str | None
+    committed: bool
+
+
+Action = Dispatch | Queue | Cancel | ArmTimer | Refuse | Fail
+NONE: tuple[Action, ...] = ()
+
+
+class Exchange:
+    """The lifecycle of one request; see the module docstring."""
+
+    __slots__ = ("_pending_5xx", "_timer_at", "attempts", "balancer", "budget", "committed",
+                 "copies", "ended", "hedge_result", "hedged", "hedger", "request", "retries",
+                 "served", "t_arrival", "tag", "tried", "verdict", "waiter")
+
+    def __init__(self, balancer: Balancer, request: Request, retries: RetryConfig,
+                 budget: RetryBudget, hedger: Hedger | None = None, tag: Any = None) -> None:
+        self.balancer = balancer
+        self.request = request
+        self.retries = retries
+        self.budget = budget
+        self.hedger = hedger if request.stream else None
+        self.tag = tag  # the driver's own (the simulator's request id, the gateway's future)
+        self.t_arrival = 0.0
+        self.copies: list[Copy] = []
+        self.tried: list[str] = []
+        self.attempts = 0  # copies sent that were not the hedge
+        self.waiter: Waiter | None = None
+        self.committed: Copy | None = None
+        self.served = False  # a node answered it (2xx)
+        self.hedged = False
+        self.hedge_result: str | None = None  # won | lost | failed, once a hedge went out
+        self.verdict: tuple[str, int] | None = None  # (node | request | unknown, 5xx count)
+        self.ended: str | None = None  # ok | client_error | failed | shed | client_gone
+        self._pending_5xx: list[str] = []  # nodes whose 5xx waits for a second opinion
+        self._timer_at = 0.0
+
+    # -- events ---------------------------------------------------------------------
+
+    def arrive(self, now: float) -> tuple[Action, ...]:
+        """The request arrived: admission, and the first copy or a wait in the queue."""
+        self.t_arrival = now
+        self.budget.deposit()
+        if self.hedger is not None:
+            self.hedger.on_request()
+        b = self.balancer
+        r = self.request
+        pool = b.pools.get(r.model)
+        got: Ticket | Waiter | Shed | None
+        if pool is not None and pool.limited:
+            got = b.admit(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
+                          ttft_s=r.ttft_s, size_bytes=r.size_bytes, payload=self)
+            if isinstance(got, Waiter):
+                self.waiter = got
+                return (Queue(got),)
+            if isinstance(got, Shed):
+                return self._refuse(got)
+        else:
+            got = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority)
+        if got is None:
+            return self._no_capacity()
+        return (self._dispatch(got, now, None, False),)
+
+    def queue_decision(self, decision: Ticket | Shed, now: float) -> tuple[Action, ...]:
+        """The balancer's queue placed the request on a node, or shed it."""
+        self.waiter = None
+        if self.ended is not None:  # it left meanwhile: give the permit back
+            if isinstance(decision, Ticket):
+                self.balancer.on_finish(decision, now, Outcome.CLIENT_CANCELLED, 0)
+            return NONE
+        if isinstance(decision, Shed):
+            return self._refuse(decision)
+        return (self._dispatch(decision, now, None, False),)
+
+    def sent(self, copy: Copy, now: float) -> tuple[Action, ...]:
+        """``copy`` left for its node: the hedge's clock starts with the first copy sent."""
+        h = self.hedger
+        if h is None or self.hedged or copy.hedge or copy.state != SENT or self.ended:
+            return NONE
+        after = h.hedge_after(copy.ticket.node.spec.gpu_class, self._expected(copy.ticket))
+        if after is None:
+            return NONE
+        self._timer_at = now + after
+        return (ArmTimer(self._timer_at),)
+
+    def timer(self, now: float) -> tuple[Action, ...]:
+        """An armed timer fired: perhaps send the hedge."""
+        h = self.hedger
+        if (h is None or self.hedged or self.committed is not None or self.ended is not None
+                or now < self._timer_at):
+            return NONE  # stale: the race was decided, or the timer was moved
+        primary = self._live()
+        if primary is None:
+            return NONE
+        node = primary.ticket.node
+        cls = node.spec.gpu_class
+        after = h.hedge_after(cls, self._expected(primary.ticket)) or 0.0
+        if not h.silent(node.id, now, after, cls):
+            # Its node is busy answering others: look again later (a stall may begin).
+            self._timer_at = now + max(after, h.config.min_after_s)
+            return (ArmTimer(self._timer_at),)
+        if not h.try_hedge():
+            return NONE
+        r = self.request
+        ticket = self.balancer.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
+                                    self.tried)
+        if ticket is None:
+            h.refund()
+            return NONE
+        self.hedged = True
+        return (self._dispatch(ticket, now, None, True),)
+
+    def first_chunk(self, copy: Copy, now: float, *, served: bool = True,
+                    defer_prefill: bool = False) -> tuple[Action, ...]:
+        """``copy``'s first chunk arrived (its first token): it is committed.
+
+        ``served``: a 2xx answer (False for an error the engine streams).
+        ``defer_prefill``: the cached-token count comes with the finish
+        (:meth:`Balancer.on_first_token`). A late chunk of a cancelled copy is
+        ignored (empty answer; the driver has been told to cancel it).
+        """
+        if copy.state != SENT or self.ended is not None:
+            return NONE
+        return self._commit(copy, now, served, True, defer_prefill)
+
+    def failed(self, copy: Copy, now: float, failure: Failure, output_tokens: int = 0,
+               cached_tokens: int | None = None) -> tuple[Action, ...]:
+        """``copy`` failed: before its first chunk, retry or fail; after it, fail."""
+        if copy.state == ENDED or self.ended is not None:
+            return NONE
+        b = self.balancer
+        if copy.state == COMMITTED:
+            copy.state = ENDED
+            b.on_finish(copy.ticket, now, failure.origin, output_tokens, judged=failure.judged,
+                        timed=False, cached_tokens=cached_tokens)
+            return self._fail(failure, copy.node_id, True)
+        copy.state = ENDED
+        b.on_finish(copy.ticket, now, failure.origin, 0, judged=failure.judged)
+        if not failure.judged:
+            self._pending_5xx.append(copy.node_id)
+        if copy.hedge:
+            self.hedge_result = "failed"
+        if self._live() is not None:
+            return NONE  # the other copy races on
+        r = self.request
+        if self.attempts < self.retries.attempts and self.budget.try_spend(now):
+            ticket = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, self.tried)
+            if ticket is not None:
+                return (self._dispatch(ticket, now, failure.origin, False),)
+        return self._fail(failure, copy.node_id, False)
+
+    def finished(self, copy: Copy, now: float, outcome: Outcome, output_tokens: int, *,
+                 timed: bool = True, cached_tokens: int | None = None) -> tuple[Action, ...]:
+        """``copy``'s answer is complete: ``Outcome.OK``, or ``CLIENT_ERROR`` for an
+        engine's own 4xx passed on. A complete answer with no first chunk before
+        (not streamed, or a one-token stream) commits it here."""
+        if copy.state == ENDED or self.ended is not None:
+            return NONE
+        actions = NONE
+        if copy.state == SENT:
+            actions = self._commit(copy, now, outcome is Outcome.OK, self.request.stream, False)
+        copy.state = ENDED
+        self.balancer.on_finish(copy.ticket, now, outcome, output_tokens, timed=timed,
+                                cached_tokens=cached_tokens)
+        if self.hedger is not None:
+            self.hedger.on_progress(copy.node_id, now)
+        self._end("ok" if outcome is Outcome.OK else "client_error")
+        return actions
+
+    def client_gone(self, now: float, output_tokens: int = 0,
+                    cached_tokens: int | None = None) -> tuple[Action, ...]:
+        """The client left (disconnected, or read too slowly): stop everything."""
+        if self.ended is not None:
+            return NONE
+        b = self.balancer
+        if self.waiter is not None:
+            b.cancel_queued(self.waiter)
+            self.waiter = None
+        out: list[Action] = []
+        for c in self.copies:
+            if c.state == ENDED:
+                continue
+            if c.state == COMMITTED:
+                b.on_finish(c.ticket, now, Outcome.CLIENT_CANCELLED, output_tokens, timed=False,
+                            cached_tokens=cached_tokens)
+            else:
+                b.on_finish(c.ticket, now, Outcome.CLIENT_CANCELLED, 0)
+                out.append(Cancel(c))
+            c.state = ENDED
+        self._end("client_gone")
+        return tuple(out)
+
+    # -- what drivers read ----------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Copies holding a permit now."""
+        return sum(1 for c in self.copies if c.state != ENDED)
+
+    # -- inside ---------------------------------------------------------------------
+
+    def _dispatch(self, ticket: Ticket, now: float, retry_of: Outcome | None,
+                  hedge: bool) -> Dispatch:
+        c = Copy(self, ticket, hedge)
+        self.copies.append(c)
+        self.tried.append(ticket.node.id)
+        if not hedge:
+            self.attempts += 1
+        if not self.request.stream:  # no first token to see: the core presumes one
+            self.balancer.expect_no_first_token(ticket, now)
+        return Dispatch(c, retry_of)
+
+    def _live(self) -> Copy | None:
+        for c in self.copies:
+            if c.state == SENT:
+                return c
+        return None
+
+    def _commit(self, copy: Copy, now: float, served: bool, first_token: bool,
+                defer_prefill: bool) -> tuple[Action, ...]:
+        copy.state = COMMITTED
+        self.committed = copy
+        ticket = copy.ticket
+        if first_token:
+            self.balancer.on_first_token(ticket, now, defer_prefill=defer_prefill)
+        out: tuple[Action, ...] = NONE
+        if len(self.copies) > 1:
+            losers = []
+            for c in self.copies:
+                if c.state == SENT:  # lost the race
+                    c.state = ENDED
+                    self.balancer.on_finish(c.ticket, now, Outcome.CLIENT_CANCELLED, 0)
+                    losers.append(Cancel(c))
+                    self.hedge_result = "won" if copy.hedge else "lost"
+            out = tuple(losers)
+        h = self.hedger
+        if h is not None:
+            h.on_progress(ticket.node.id, now)
+            if first_token:
+                h.on_ttft(ticket.node.spec.gpu_class, now - ticket.t_dispatch,
+                          self._expected(ticket))
+            if copy.hedge:
+                h.wins += 1
+                self.hedge_result = "won"
+        if served:
+            self.served = True
+            pending = self._pending_5xx
+            if pending:  # the earlier 5xx answers were their nodes' own
+                for node_id in pending:
+                    self.balancer.blame(node_id, Outcome.UPSTREAM_5XX, now)
+                self.verdict = ("node", len(pending))
+                self._pending_5xx = []
+        return out
+
+    def _refuse(self, shed: Shed) -> tuple[Action, ...]:
+        self._end("shed")
+        return (Refuse(shed),)
+
+    def _no_capacity(self) -> tuple[Action, ...]:
+        failure = Failure(Outcome.CONNECT_FAILURE, 503,
+                          f"no node can take a request for {self.request.model!r} now",
+                          NO_CAPACITY, RETRY_AFTER_S)
+        self._end("failed")
+        return (Fail(failure, None, False),)
+
+    def _fail(self, failure: Failure, node_id: str, committed: bool) -> tuple[Action, ...]:
+        pending = self._pending_5xx
+        if pending and not committed:
+            nodes = list(dict.fromkeys(pending))
+            if len(nodes) >= 2:
+                self.verdict = ("request", len(pending))
+                failure = Failure(failure.origin, failure.status,
+                                  f"nodes {', '.join(nodes)} all failed this request (last: "
+                                  f"{failure.message}); the request itself is the likely cause",
+                                  failure.code, failure.retry_after, failure.judged)
+            else:
+                # One 5xx, no second opinion: not charged. The retry budget gives
+                # enough second opinions to catch a node failing every request.
+                self.verdict = ("unknown", len(pending))
+            self._pending_5xx = []
+        self._end("failed")
+        return (Fail(failure, node_id, committed),)
+
+    def _end(self, how: str) -> None:
+        assert self.ended is None, f"exchange ended twice ({self.ended}, then {how})"
+        self.ended = how
+        if self._pending_5xx:  # ended without another node's answer (gone, or a 4xx)
+            self.verdict = ("unknown", len(self._pending_5xx))
+            self._pending_5xx = []
+
+    def _expected(self, ticket: Ticket) -> float | None:
+        """The ticket's expected TTFT when the hedge delay is per request."""
+        h = self.hedger
+        if h is None:
+            return None
+        cfg = h.config
+        return ticket.expected_ttft() if cfg.per_request and cfg.after_s <= 0.0 else None
+
+
+def pump(balancer: Balancer, now: float) -> list[tuple[Exchange, tuple[Action, ...]]]:
+    """The queue's decisions since the last call, each handed to its exchange.
+
+    Drivers call it when the balancer signals queue decisions, after a permit
+    or a prompt backlog freed, and periodically while anything is queued.
+    """
+    out = []
+    for waiter, decision in balancer.poll_queue(now):
+        ex = waiter.payload
+        if isinstance(ex, Exchange):
+            out.append((ex, ex.queue_decision(decision, now)))
+        elif isinstance(decision, Ticket):  # queued by no exchange: nobody to give it to
+            balancer.on_finish(decision, now, Outcome.CLIENT_CANCELLED, 0)
+    return out
+
+
+__all__ = ["NO_CAPACITY", "Action", "ArmTimer", "Cancel", "Copy", "Dispatch", "Exchange", "Fail",
+           "Failure", "Queue", "Refuse", "Request", "RetryConfig", "pump"]

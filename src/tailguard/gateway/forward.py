@@ -1,0 +1,510 @@
+"""The gateway's driver of the exchange: upstream attempts, the hedge race, the stream.
+
+The decisions (admission, retries, the hedge, whose failure it was, every
+permit) are the core's :class:`~tailguard.core.exchange.Exchange`; this
+module maps its actions onto asyncio and HTTP:
+
+* :class:`~tailguard.core.exchange.Dispatch`: POST the client's bytes to the
+  node and read the first chunk of a stream, or the whole of any other answer
+  (:meth:`Forwarder._try`); a connect error, a timeout, a 5xx, a 429 or a
+  stream that ends before any data is reported as ``failed`` with its origin.
+  Without hedging the attempt is awaited in the handler itself; with it, each
+  copy is a task of a :class:`_Race`.
+* :class:`~tailguard.core.exchange.ArmTimer`: a loop timer that calls
+  ``exchange.timer``; :class:`~tailguard.core.exchange.Cancel`: cancel the
+  copy's task and close its connection.
+* :class:`~tailguard.core.exchange.Queue`: wait on a future that the pump of
+  :mod:`~tailguard.gateway.admission_gate` resolves with the exchange's next
+  actions.
+* :class:`~tailguard.core.exchange.Refuse` and
+  :class:`~tailguard.core.exchange.Fail`: the error answer.
+
+A committed stream is relayed byte for byte (:meth:`Forwarder._stream`): per
+chunk it counts ``data:`` events (:class:`~tailguard.gateway.sse.SseCounter`),
+notes the gap since the previous one and pushes the idle deadline; it never
+parses a chunk's JSON. A client that goes away (the handler is cancelled)
+becomes ``client_gone``, which releases every copy's permit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from tailguard.core.exchange import (
+    NO_CAPACITY,
+    Action,
+    ArmTimer,
+    Cancel,
+    Copy,
+    Dispatch,
+    Exchange,
+    Fail,
+    Failure,
+    Queue,
+    Refuse,
+    Request,
+)
+from tailguard.core.fleet import Outcome
+from tailguard.gateway.admission_gate import AdmissionGate, shed_response, ttft_header
+from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_response, sse_error_event
+from tailguard.gateway.config import PoolSettings
+from tailguard.gateway.idle import IdleTimeout
+from tailguard.gateway.live_fleet import LiveFleet
+from tailguard.gateway.logs import CLIENT_CLOSED, note
+from tailguard.gateway.metrics import GatewayMetrics
+from tailguard.gateway.openai_request import PATHS, RoutedRequest
+from tailguard.gateway.sse import SseCounter, usage_completion_tokens
+from tailguard.gateway.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+)
+
+RETRY_AFTER_S = "1"
+_RESPONSE_SKIP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "content-length", "date",
+})
+# Set once the request's status is in the metrics (a late disconnect must not count it again).
+_COUNTED = web.RequestKey("tailguard_counted", int)
+
+Answer = tuple[UpstreamResponse, bytes]  # a response with its first chunk (or whole body)
+
+
+def count_answer(metrics: GatewayMetrics, request: web.Request, pool: str, status: int) -> None:
+    """Count the request's answer, once whatever happens after (a late disconnect)."""
+    if _COUNTED not in request:
+        request[_COUNTED] = status
+        metrics.request_done(pool, status)
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request as the forwarder sees it."""
+
+    request: web.Request
+    endpoint: str
+    body: bytes
+    req: RoutedRequest
+    settings: PoolSettings
+    headers: CIMultiDict[str]  # what goes upstream (hop-by-hop headers dropped)
+    priority: int
+    deadline: float  # loop time by which everything must be done (timeouts.total_s)
+    t0: float  # monotonic arrival
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class Forwarder:
+    """Runs one exchange per request against the upstream client."""
+
+    def __init__(self, fleet: LiveFleet, metrics: GatewayMetrics) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.upstream: UpstreamClient | None = None  # opened at the app's startup
+        self.gate = AdmissionGate(fleet, metrics)  # the pump of the pools' queues
+        self.exchange_type: type[Exchange] = Exchange  # tests put a tracing one here
+
+    async def forward(self, call: Call) -> web.StreamResponse:
+        fleet = self.fleet
+        req = call.req
+        model = req.model
+        self.gate.install()
+        ex = self.exchange_type(
+            fleet.balancer,
+            Request(model, req.prompt_tokens, req.max_tokens, call.priority, req.stream,
+                    ttft_header(call.request), len(call.body)),
+            call.settings.retries, fleet.budget(model), fleet.hedger(model) if req.stream
+            else None)
+        try:
+            return await self._drive(ex, call, ex.arrive(time.monotonic()))
+        except BaseException:
+            ex.client_gone(time.monotonic())  # the copies' tasks stop with their race
+            raise
+        finally:
+            if ex.verdict is not None:
+                verdict, n = ex.verdict
+                self.metrics.failure_verdicts.labels(verdict).inc(n)
+            if ex.hedge_result is not None:
+                self.metrics.hedge(model, ex.hedge_result)
+
+    async def _drive(self, ex: Exchange, call: Call,
+                     actions: tuple[Action, ...]) -> web.StreamResponse:
+        """Carry out the exchange's actions until it commits a copy or ends."""
+        race: _Race | None = None
+        try:
+            while True:
+                run: Copy | None = None
+                queued = False
+                todo = list(actions)
+                for a in todo:  # grows while we go: a copy sent may arm the hedge timer
+                    if type(a) is Dispatch:
+                        if a.retry_of is not None:
+                            self.metrics.retry(call.req.model, a.retry_of.value)
+                        if ex.hedger is None:
+                            run = a.copy  # one copy at a time: awaited right here
+                        else:
+                            race = race or _Race()
+                            race.start(a.copy, self._try(call, a.copy))
+                        todo.extend(ex.sent(a.copy, time.monotonic()))
+                    elif type(a) is ArmTimer:
+                        race = race or _Race()
+                        race.arm(a.at)
+                    elif type(a) is Cancel:
+                        if race is not None:
+                            race.cancel(a.copy)
+                    elif type(a) is Queue:
+                        queued = True
+                    elif type(a) is Refuse:
+                        return self._refused(call, a)
+                    else:
+                        assert type(a) is Fail
+                        return self._failed(ex, call, a)
+                if queued:
+                    actions = await self.gate.wait(ex)
+                    continue
+                if run is not None:
+                    copy, result = run, await self._try(call, run)
+                else:
+                    assert race is not None, "the exchange left nothing to wait for"
+                    got = await race.next()
+                    if got is None:  # the hedge timer
+                        actions = ex.timer(race.fired_at)
+                        continue
+                    copy, result = got
+                if isinstance(result, Failure):
+                    self.metrics.upstream_error(copy.node_id, result.origin.value)
+                    actions = ex.failed(copy, time.monotonic(), result)
+                    continue
+                if race is not None:
+                    race.keep(copy)
+                return await self._answer(ex, call, copy, result, race)
+        finally:
+            if race is not None:
+                race.close()
+
+    def _refused(self, call: Call, a: Refuse) -> web.Response:
+        model = call.req.model
+        note(origin=f"shed_{a.shed.reason}")
+        self.metrics.shed_request(model, a.shed.reason)
+        count_answer(self.metrics, call.request, model, 429)
+        return shed_response(a.shed, model)
+
+    def _failed(self, ex: Exchange, call: Call, a: Fail) -> web.Response:
+        f = a.failure
+        model = call.req.model
+        count_answer(self.metrics, call.request, model, f.status)
+        extra = {"Retry-After": f.retry_after} if f.retry_after else None
+        if f.code == NO_CAPACITY:
+            note(origin=NO_CAPACITY)
+        else:
+            note(origin=f.origin.value, attempts=len(ex.tried))
+        return error_response(f.status, f.message, f.code, a.node_id or NO_NODE, extra)
+
+    # -- one copy on one node, to its first chunk --------------------------------
+
+    async def _try(self, call: Call, copy: Copy) -> Failure | Answer:
+        """POST to the copy's node: its answer with the first chunk read, or its failure."""
+        node = self.fleet.nodes.get(copy.node_id)
+        if node is None:  # cannot happen: the fleet adds and removes nodes in both at once
+            return Failure(Outcome.CONNECT_FAILURE, 502, f"node {copy.node_id} left the fleet",
+                           "upstream_error")
+        headers = call.headers
+        key = node.upstream_api_key()
+        if key:
+            headers = headers.copy()
+            headers["Authorization"] = f"Bearer {key}"
+        to = call.settings.timeouts
+        stream = call.req.stream
+        first_deadline = call.deadline
+        if stream:
+            first_deadline = min(first_deadline, asyncio.get_running_loop().time() + to.first_byte_s)
+        upstream = self.upstream
+        assert upstream is not None
+        nid = node.id
+        try:
+            async with asyncio.timeout_at(first_deadline):
+                resp = await upstream.post(node.url + PATHS[call.endpoint], headers, call.body,
+                                           to.connect_s)
+                try:
+                    payload = await (resp.readany() if resp.streamed else resp.read())
+                except BaseException:
+                    resp.close()
+                    raise
+        except UpstreamConnectError as exc:
+            return Failure(Outcome.CONNECT_FAILURE, 502, f"cannot connect to node {nid}: {exc}",
+                           "upstream_connect_failed")
+        except TimeoutError:
+            what = "first byte" if first_deadline < call.deadline else "answer"
+            return Failure(Outcome.TIMEOUT, 504, f"node {nid} sent no {what} in time",
+                           "upstream_timeout")
+        except (UpstreamError, OSError) as exc:
+            return Failure(Outcome.CONNECT_FAILURE, 502,
+                           f"node {nid} failed: {type(exc).__name__}: {exc}", "upstream_error")
+        status = resp.status
+        if status >= 500:
+            resp.close()
+            return Failure(Outcome.UPSTREAM_5XX, 502, f"node {nid} answered {status}: "
+                                                      f"{_snippet(payload)}", "upstream_error",
+                           judged=False)
+        if status == 429:
+            resp.close()
+            return Failure(Outcome.UPSTREAM_429, 503, f"node {nid} is overloaded (429) and no "
+                                                      "other node could take the request",
+                           "upstream_busy", resp.headers.get("Retry-After") or RETRY_AFTER_S)
+        if resp.streamed and not payload:
+            resp.close()
+            return Failure(Outcome.UPSTREAM_5XX, 502,
+                           f"node {nid} ended its stream before any data", "upstream_error")
+        return resp, payload
+
+    # -- the committed copy ------------------------------------------------------------
+
+    async def _answer(self, ex: Exchange, call: Call, copy: Copy, answer: Answer,
+                      race: _Race | None) -> web.StreamResponse:
+        resp, payload = answer
+        node = self.fleet.nodes[copy.node_id]
+        model = call.req.model
+        status = resp.status
+        if len(ex.tried) > 1:
+            note(attempts=len(ex.tried))
+        try:
+            if not resp.streamed:
+                now = time.monotonic()
+                ok = status < 400  # else the engine refused the request itself: passed on
+                tokens = (usage_completion_tokens(payload) or 0) if ok else 0
+                _cancel(race, ex.finished(copy, now, Outcome.OK if ok else Outcome.CLIENT_ERROR,
+                                          tokens))
+                if ok:
+                    self.metrics.answered(model, node.id, node.gpu_class, now - call.t0, tokens)
+                    note(tokens=tokens)
+                count_answer(self.metrics, call.request, model, status)
+                return web.Response(status=status, body=payload,
+                                    headers=_response_headers(resp, node.id))
+            # Committed: the client gets the answer's first bytes. Its prefill is
+            # learnt at the end, once the usage says what was cached.
+            t_first = time.monotonic()
+            _cancel(race, ex.first_chunk(copy, t_first, served=status < 400,
+                                         defer_prefill=True))
+            return await self._stream(ex, call, copy, resp, payload, t_first)
+        finally:
+            if ex.ended == "ok" or ex.ended == "client_error":
+                resp.release()  # read to the end: the connection is reusable
+            else:
+                resp.close()
+
+    async def _stream(self, ex: Exchange, call: Call, copy: Copy, resp: UpstreamResponse,
+                      first: bytes, t_first: float) -> web.StreamResponse:
+        """Pass a stream through, and tell the exchange how it ended."""
+        request = call.request
+        model = call.req.model
+        node = self.fleet.nodes[copy.node_id]
+        loop = asyncio.get_running_loop()
+        out = web.StreamResponse(status=resp.status, headers=_response_headers(resp, node.id))
+        counter = SseCounter()
+        counter.feed(first)
+        protocol = request.protocol
+        pauses = getattr(protocol, "write_pauses", 0)
+        try:
+            await out.prepare(request)
+            await out.write(first)
+        except ConnectionError:
+            count_answer(self.metrics, request, model, CLIENT_CLOSED)
+            ex.client_gone(time.monotonic(), counter.output_tokens())
+            return out
+        last = t_first
+        max_gap = 0.0
+        idle = call.settings.timeouts.idle_s
+        write_s = self.fleet.config.client.write_timeout_s
+        error: Failure | None = None
+        watchdog = IdleTimeout(loop, idle, call.deadline, write_s)
+        try:
+            async with watchdog:
+                while True:
+                    chunk = await resp.readany()
+                    if not chunk:
+                        break
+                    now = time.monotonic()
+                    if now - last > max_gap:
+                        max_gap = now - last
+                    last = now
+                    counter.feed(chunk)
+                    watchdog.touch()
+                    watchdog.writing = True
+                    try:
+                        await out.write(chunk)
+                    except ConnectionError as exc:
+                        raise _ClientGone from exc
+                    watchdog.writing = False
+        except _ClientGone:
+            count_answer(self.metrics, request, model, CLIENT_CLOSED)
+            ex.client_gone(time.monotonic(), counter.output_tokens())
+            return out
+        except TimeoutError:
+            if watchdog.cause == "client":
+                # It read nothing for write_s: the client's doing, never the node's.
+                note(origin="client_slow_read")
+                self.metrics.client_closed_reason("slow_reader")
+                count_answer(self.metrics, request, model, CLIENT_CLOSED)
+                ex.client_gone(time.monotonic(), counter.output_tokens())
+                if request.transport is not None:
+                    request.transport.abort()
+                return out
+            total = watchdog.cause == "total"
+            error = Failure(Outcome.TIMEOUT, 504,
+                            f"node {node.id} exceeded the request's total time" if total
+                            else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout")
+        except (UpstreamError, OSError) as exc:
+            error = Failure(Outcome.CONNECT_FAILURE, 502,
+                            f"node {node.id} failed in the middle of the stream: "
+                            f"{type(exc).__name__}", "upstream_disconnected")
+        tokens = counter.output_tokens()
+        timed = getattr(protocol, "write_pauses", 0) == pauses
+        now = time.monotonic()
+        cached = counter.cached_tokens()
+        if error is None and counter.engine_error():
+            # The engine ended the stream with its own error event: relayed as it
+            # is, but no success. The request may have caused it: unjudged.
+            note(origin="engine_error_mid_stream", tokens=tokens)
+            ex.failed(copy, now, Failure(Outcome.UPSTREAM_5XX, 502, "engine error event",
+                                         "upstream_error", judged=False), tokens, cached)
+            self.metrics.upstream_error(node.id, "engine_error")
+            count_answer(self.metrics, request, model, 502)
+            await _end_stream(out, write_s)
+            return out
+        if error is not None:
+            if error.origin is Outcome.TIMEOUT and not timed:
+                # The wait overlapped the client's stalls: not the node's failure.
+                error = Failure(Outcome.CLIENT_CANCELLED, error.status, error.message, error.code)
+            note(origin=error.origin.value, tokens=tokens)
+            ex.failed(copy, now, error, tokens, cached)
+            self.metrics.upstream_error(node.id, error.origin.value)
+            count_answer(self.metrics, request, model, error.status)
+            await _end_stream(out, write_s, sse_error_event(error.status, error.message,
+                                                            error.code))
+            return out
+        ex.finished(copy, now, Outcome.OK, tokens, timed=timed, cached_tokens=cached)
+        tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
+        self.metrics.answered(model, node.id, node.gpu_class, now - call.t0, tokens,
+                              ttft=t_first - call.t0, tpot=tpot, max_gap=max_gap)
+        note(ttft_s=round(t_first - call.t0, 4), tokens=tokens)
+        count_answer(self.metrics, request, model, resp.status)
+        await _end_stream(out, write_s)
+        return out
+
+
+class _Race:
+    """The copies of a hedged request as tasks, and the hedge timer."""
+
+    __slots__ = ("fired", "fired_at", "tasks", "timer")
+
+    def __init__(self) -> None:
+        self.tasks: dict[asyncio.Task[Failure | Answer], Copy] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.fired: asyncio.Future[None] | None = None
+        self.fired_at = 0.0  # the exchange's time the timer was armed for
+
+    def start(self, copy: Copy, coro: Coroutine[object, object, Failure | Answer]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks[task] = copy
+        copy.io = task
+
+    def arm(self, at: float) -> None:
+        loop = asyncio.get_running_loop()
+        if self.timer is not None:
+            self.timer.cancel()
+        fired: asyncio.Future[None] = loop.create_future()
+        self.fired = fired
+        self.fired_at = at
+        # The exchange's clock is time.monotonic(); uvloop's loop.time() need not be.
+        self.timer = loop.call_later(max(0.0, at - time.monotonic()), _resolve, fired)
+
+    async def next(self) -> tuple[Copy, Failure | Answer] | None:
+        """The next copy to finish its attempt; None when the timer fired first."""
+        waits: set[asyncio.Future[object]] = set(self.tasks)  # type: ignore[arg-type]
+        if self.fired is not None:
+            waits.add(self.fired)  # type: ignore[arg-type]
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in list(self.tasks):
+            if task in done:
+                return self.tasks.pop(task), task.result()
+        self.fired = None
+        self.timer = None
+        return None
+
+    def keep(self, copy: Copy) -> None:
+        """``copy`` won: it is no longer the race's to close."""
+        for task, c in list(self.tasks.items()):
+            if c is copy:
+                del self.tasks[task]
+
+    def cancel(self, copy: Copy) -> None:
+        task = copy.io
+        if isinstance(task, asyncio.Task):
+            self.tasks.pop(task, None)
+            _stop(task)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        for task in self.tasks:
+            _stop(task)
+        self.tasks.clear()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _cancel(race: _Race | None, actions: tuple[Action, ...]) -> None:
+    """Carry out the Cancel actions of a commit (the losers of the race)."""
+    for a in actions:
+        if race is not None and type(a) is Cancel:
+            race.cancel(a.copy)
+
+
+def _stop(task: asyncio.Task[Failure | Answer]) -> None:
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None:
+        got = task.result()
+        if not isinstance(got, Failure):
+            got[0].close()
+
+
+async def _end_stream(out: web.StreamResponse, write_s: float, last: bytes = b"") -> None:
+    """Write ``last`` (an SSE error event) and end the stream; a client gone or not
+    reading for ``write_s`` is left as it is: the answer is accounted already."""
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        async with asyncio.timeout(write_s):
+            if last:
+                await out.write(last)
+            await out.write_eof()
+
+
+def _response_headers(resp: UpstreamResponse, node_id: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in resp.headers.items():
+        if k.lower() not in _RESPONSE_SKIP:
+            out.add(k, v)
+    out[NODE_HEADER] = node_id
+    return out
+
+
+def _snippet(payload: bytes, limit: int = 200) -> str:
+    text = payload[:limit].decode("utf-8", "replace").strip()
+    return text + ("..." if len(payload) > limit else "") if text else "(empty body)"
+
+
+__all__ = ["Call", "Forwarder", "count_answer"]
