@@ -47,7 +47,7 @@ on no retry and no hedge, and a failure ends the exchange with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tailguard.core.admission import Shed, Waiter
 from tailguard.core.balancer import Balancer, Ticket
@@ -58,8 +58,7 @@ from tailguard.core.retry_budget import RetryBudget, RetryConfig
 RETRY_AFTER_S = "1"  # Retry-After of a 503 when no node can take the request
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """What the exchange needs to know of a client request."""
 
     model: str
@@ -112,48 +111,42 @@ class Copy:
         return f"<{kind} on {self.node_id}: {('sent', 'committed', 'ended')[self.state]}>"
 
 
-# -- actions ----------------------------------------------------------------------
+# -- actions (named tuples: cheap to make, and immutable) ----------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Dispatch:
+class Dispatch(NamedTuple):
     """Send the request to ``copy.node_id``; report its events with ``copy``."""
 
     copy: Copy
     retry_of: Outcome | None = None  # the failure this retry follows, for metrics
 
 
-@dataclass(frozen=True, slots=True)
-class Queue:
+class Queue(NamedTuple):
     """Wait: the balancer's queue holds it; :meth:`Exchange.queue_decision` follows."""
 
     waiter: Waiter
 
 
-@dataclass(frozen=True, slots=True)
-class Cancel:
+class Cancel(NamedTuple):
     """Stop ``copy`` (close its connection, cancel it in the engine); its permit is released."""
 
     copy: Copy
 
 
-@dataclass(frozen=True, slots=True)
-class ArmTimer:
+class ArmTimer(NamedTuple):
     """Call :meth:`Exchange.timer` at ``at`` (the exchange ignores a stale call)."""
 
     at: float
 
 
-@dataclass(frozen=True, slots=True)
-class Refuse:
+class Refuse(NamedTuple):
     """The end: answer 429 with ``Retry-After`` (shed at admission)."""
 
     shed: Shed
     status: int = 429
 
 
-@dataclass(frozen=True, slots=True)
-class Fail:
+class Fail(NamedTuple):
     """The end: the request failed. ``committed``: after its first byte (an SSE
     error event ends the stream); else an error answer with ``failure.status``."""
 
@@ -171,7 +164,7 @@ class Exchange:
 
     __slots__ = ("_pending_5xx", "_timer_at", "attempts", "balancer", "budget", "committed",
                  "copies", "ended", "hedge_result", "hedged", "hedger", "request", "retries",
-                 "served", "t_arrival", "tag", "tried", "verdict", "waiter")
+                 "served", "t_arrival", "tag", "verdict", "waiter")
 
     def __init__(self, balancer: Balancer, request: Request, retries: RetryConfig,
                  budget: RetryBudget, hedger: Hedger | None = None, tag: Any = None) -> None:
@@ -183,7 +176,6 @@ class Exchange:
         self.tag = tag  # the driver's own (the simulator's request id, the gateway's future)
         self.t_arrival = 0.0
         self.copies: list[Copy] = []
-        self.tried: list[str] = []
         self.attempts = 0  # copies sent that were not the hedge
         self.waiter: Waiter | None = None
         self.committed: Copy | None = None
@@ -192,7 +184,7 @@ class Exchange:
         self.hedge_result: str | None = None  # won | lost | failed, once a hedge went out
         self.verdict: tuple[str, int] | None = None  # (node | request | unknown, 5xx count)
         self.ended: str | None = None  # ok | client_error | failed | shed | client_gone
-        self._pending_5xx: list[str] = []  # nodes whose 5xx waits for a second opinion
+        self._pending_5xx: list[str] | None = None  # nodes whose 5xx waits for a second opinion
         self._timer_at = 0.0
 
     # -- events ---------------------------------------------------------------------
@@ -263,7 +255,7 @@ class Exchange:
             return NONE
         r = self.request
         ticket = self.balancer.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                                    self.tried)
+                                    self.tried)  # a node not tried yet
         if ticket is None:
             h.refund()
             return NONE
@@ -297,6 +289,8 @@ class Exchange:
         copy.state = ENDED
         b.on_finish(copy.ticket, now, failure.origin, 0, judged=failure.judged)
         if not failure.judged:
+            if self._pending_5xx is None:
+                self._pending_5xx = []
             self._pending_5xx.append(copy.node_id)
         if copy.hedge:
             self.hedge_result = "failed"
@@ -353,6 +347,11 @@ class Exchange:
     # -- what drivers read ----------------------------------------------------------
 
     @property
+    def tried(self) -> list[str]:
+        """The nodes tried so far, in order (the hedge's included)."""
+        return [c.ticket.node.id for c in self.copies]
+
+    @property
     def in_flight(self) -> int:
         """Copies holding a permit now."""
         return sum(1 for c in self.copies if c.state != ENDED)
@@ -363,7 +362,6 @@ class Exchange:
                   hedge: bool) -> Dispatch:
         c = Copy(self, ticket, hedge)
         self.copies.append(c)
-        self.tried.append(ticket.node.id)
         if not hedge:
             self.attempts += 1
         if not self.request.stream:  # no first token to see: the core presumes one
@@ -409,7 +407,7 @@ class Exchange:
                 for node_id in pending:
                     self.balancer.blame(node_id, Outcome.UPSTREAM_5XX, now)
                 self.verdict = ("node", len(pending))
-                self._pending_5xx = []
+                self._pending_5xx = None
         return out
 
     def _refuse(self, shed: Shed) -> tuple[Action, ...]:
@@ -437,7 +435,7 @@ class Exchange:
                 # One 5xx, no second opinion: not charged. The retry budget gives
                 # enough second opinions to catch a node failing every request.
                 self.verdict = ("unknown", len(pending))
-            self._pending_5xx = []
+            self._pending_5xx = None
         self._end("failed")
         return (Fail(failure, node_id, committed),)
 
@@ -446,7 +444,7 @@ class Exchange:
         self.ended = how
         if self._pending_5xx:  # ended without another node's answer (gone, or a 4xx)
             self.verdict = ("unknown", len(self._pending_5xx))
-            self._pending_5xx = []
+            self._pending_5xx = None
 
     def _expected(self, ticket: Ticket) -> float | None:
         """The ticket's expected TTFT when the hedge delay is per request."""

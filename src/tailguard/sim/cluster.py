@@ -5,47 +5,76 @@ is the deterministic tie-break, so the same seed gives the same run, byte for
 byte. Events are arrivals, submissions reaching an engine (after half the
 network round trip), engine wake-ups (an engine reports the next moment it
 needs attention; stale wake-ups are skipped by a version counter), deliveries
-of first tokens and finishes back to the gateway, fault changes and the
-balancer's periodic tick.
+of first tokens, finishes and failures back to the gateway, fault changes,
+exchange timers and the balancer's periodic tick.
 
-The gateway side is the real :class:`tailguard.core.balancer.Balancer`, the
-same object the live gateway drives, and it is told only what a gateway would
-see: prompt length at arrival, the first token, the finish with its outcome.
-Like the gateway, the simulated gateway retries a request that failed before
-its first token on another node (once), and never after.
+The gateway side is the core's: each request is an
+:class:`~tailguard.core.exchange.Exchange` on the real
+:class:`~tailguard.core.balancer.Balancer`, the same objects the live gateway
+drives, told only what a gateway would see (prompt length at arrival, the
+first token, the finish or the failure with its origin).
+:class:`ClusterSim` maps the exchange's actions onto the heap: a dispatched
+copy is an engine request of its own id (its index in ``copies``), a cancel
+removes it from its engine, a timer is an event. Retries, the retry budget,
+the hedge and its race are therefore exactly the gateway's. The engines, the
+network and the faults are :mod:`tailguard.sim.nodes`.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailguard.core.admission import AdmissionConfig, Shed
-from tailguard.core.balancer import Balancer, Event, PoolConfig, Ticket
+from tailguard import engine as eng
+from tailguard.core.admission import AdmissionConfig
+from tailguard.core.balancer import Balancer, Event, PoolConfig
+from tailguard.core.exchange import (
+    COMMITTED,
+    ENDED,
+    Action,
+    ArmTimer,
+    Cancel,
+    Copy,
+    Dispatch,
+    Exchange,
+    Failure,
+    Request,
+    pump,
+)
 from tailguard.core.fleet import NodeSpec, Outcome
-from tailguard.core.hedging import HedgeConfig
+from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
-from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine
-from tailguard.sim.hedge import SimHedges
+from tailguard.core.retry_budget import RetryConfig
+from tailguard.sim.nodes import HEALTH_INTERVAL_S, SimNode, apply_fault, health_check
 from tailguard.sim.scenario import Fault, NodePlan
 
-# Event kinds, in the order they win a tie at the same instant... by sequence.
-_ARRIVE, _SUBMIT, _ENGINE, _FIRST, _FINISH, _FAIL, _FAULT, _TICK = range(8)
-_HEDGE = 8  # a hedge timer (tailguard.sim.hedge)
-_HEDGE_ROUTED = frozenset((_SUBMIT, _FIRST, _FINISH, _FAIL))
+# Event kinds; the heap holds (time, seq, kind, a, b), a and b as noted.
+ARRIVE = 0  # a: request id
+SUBMIT = 1  # a: copy id, b: node index
+ENGINE = 2  # a: node index, b: the engine wake-up's version
+FIRST = 3  # a: copy id
+FINISH = 4  # a: copy id
+FAIL = 5  # a: copy id, b: 0 connect failure, else a 5xx
+FAULT = 6  # a: fault index, b: 1 when the fault ends
+TICK = 7
+TIMER = 8  # a: request id (an exchange's timer)
+HEALTH = 9  # a round of health probes
 
 # Request status codes in the result arrays.
 OK, FAILED_STATUS, UNFINISHED, SHED = 0, 1, 2, 3
+_STATUS = {"ok": OK, "shed": SHED}
 
-MAX_ATTEMPTS = 2  # the first try and one retry on another node
-
-_DELIVERY = {FIRST_TOKEN: _FIRST, FINISH: _FINISH, FAILED: _FAIL}
+_DELIVERY = {eng.FIRST_TOKEN: FIRST, eng.FINISH: FINISH, eng.FAILED: FAIL}
+_CONNECT = Failure(Outcome.CONNECT_FAILURE, 502, "cannot connect to the node",
+                   "upstream_connect_failed")
+_5XX = Failure(Outcome.UPSTREAM_5XX, 502, "the node answered 5xx", "upstream_error", judged=False)
 
 
 @dataclass(slots=True)
@@ -62,7 +91,7 @@ class RunRecord:
     node_ids: list[str]
     events: list[Event] = field(default_factory=list)
     outliers: dict[str, Any] = field(default_factory=dict)  # detector counts and state times
-    hedges: int = 0  # duplicates sent (tailguard.sim.hedge)
+    hedges: int = 0  # duplicates sent
     hedge_wins: int = 0  # ... whose copy produced the first token first
     retries: int = 0
     end_time: float = 0.0
@@ -71,22 +100,6 @@ class RunRecord:
     queue_s: list[float] = field(default_factory=list)
     priority: list[int] = field(default_factory=list)
     limits: dict[str, int] = field(default_factory=dict)
-
-
-class _NodeSim:
-    __slots__ = ("base_speed", "crashed", "delay", "engine", "error_rate", "index", "plan",
-                 "scheduled", "version")
-
-    def __init__(self, index: int, plan: NodePlan, step_by_step: bool) -> None:
-        self.index = index
-        self.plan = plan
-        self.engine = Engine(plan.perf, plan.engine, speed=plan.speed, step_by_step=step_by_step)
-        self.base_speed = plan.speed
-        self.version = 0
-        self.scheduled = math.inf
-        self.crashed = False
-        self.error_rate = 0.0
-        self.delay = 0.0  # extra one-way network delay (slow_network fault)
 
 
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
@@ -119,287 +132,285 @@ def run_cluster(
     limits: LimitConfig | None = None,
     admission: AdmissionConfig | None = None,
     priorities: Sequence[int] | None = None,
+    retries: RetryConfig | None = None,
+    exchange_type: type[Exchange] = Exchange,
 ) -> RunRecord:
     """Simulate one policy on one fleet for one request list; return per-request outcomes."""
-    n_req = len(arrivals)
-    rng = random.Random(f"{seed}:{policy}:route")
-    fault_rng = random.Random(f"{seed}:faults")
     balancer = Balancer(node_specs(plans, model),
                         [PoolConfig(model, policy, dict(policy_options or {}), slo,
-                                    limits=limits, admission=admission)], rng,
+                                    limits=limits, admission=admission)],
+                        random.Random(f"{seed}:{policy}:route"),
                         # None (capacity probes, unit runs): no detection.
                         outliers=outliers or OutlierConfig(enabled=False))
-    nodes = [_NodeSim(i, p, step_by_step) for i, p in enumerate(plans)]
-    by_id = {p.id: i for i, p in enumerate(plans)}
-    rec = RunRecord(
-        arrival=list(arrivals), prompt=list(prompts), output=list(outputs),
-        node=[-1] * n_req, first=[-1.0] * n_req, end=[-1.0] * n_req,
-        status=[UNFINISHED] * n_req, node_ids=[p.id for p in plans],
-    )
-    tickets: list[Ticket | None] = [None] * n_req
-    attempts = [0] * n_req
-    limited = limits is not None or admission is not None
-    prio = list(priorities) if priorities is not None else [1] * n_req
-    if limited:
-        rec.queue_s = [0.0] * n_req
-        rec.priority = prio
-    half_rtt = network_rtt_s / 2.0
-    hedges: SimHedges | None = None  # set just before the loop when hedging is on
+    sim = ClusterSim(balancer, plans, model, arrivals, prompts, outputs, seed=seed,
+                     network_rtt_s=network_rtt_s, faults=faults, step_by_step=step_by_step,
+                     hedger=Hedger(hedging) if hedging is not None and hedging.enabled else None,
+                     limited=limits is not None or admission is not None,
+                     priorities=priorities, retries=retries or RetryConfig(),
+                     exchange_type=exchange_type)
+    return sim.run(horizon_s, tick_s, progress)
 
-    heap: list[tuple[float, int, int, int, int]] = []
-    push = heapq.heappush
-    pop = heapq.heappop
-    seq = 0
 
-    for fi, f in enumerate(faults):
-        push(heap, (f.at_s, seq, _FAULT, fi, 0))
-        seq += 1
-        if f.kind == "stall":
-            end = f.at_s + (f.duration_s if f.duration_s is not None else horizon_s)
-            t, k = f.at_s + f.period_s, 1
-            while t < end and t < horizon_s:
-                push(heap, (t, seq, _FAULT, fi, 0))
-                seq += 1
-                k += 1
-                t = f.at_s + k * f.period_s
-        elif f.duration_s is not None:
-            push(heap, (f.at_s + f.duration_s, seq, _FAULT, fi, 1))
-            seq += 1
-    if n_req:
-        push(heap, (arrivals[0], seq, _ARRIVE, 0, 0))
-        seq += 1
-    push(heap, (tick_s, seq, _TICK, 0, 0))
-    seq += 1
+class ClusterSim:
+    """The simulated gateway: one exchange per request, its actions onto the heap."""
 
-    arrival_times = rec.arrival
-    first = rec.first
-    end_t = rec.end
-    status = rec.status
-    out_tokens = rec.output
-    model_name = model
-    outstanding = n_req
-    next_progress = 0.0
-    now = 0.0
+    def __init__(self, balancer: Balancer, plans: Sequence[NodePlan], model: str,
+                 arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int], *,
+                 seed: int, network_rtt_s: float, faults: Sequence[Fault], step_by_step: bool,
+                 hedger: Hedger | None, limited: bool, priorities: Sequence[int] | None,
+                 retries: RetryConfig, exchange_type: type[Exchange]) -> None:
+        n = len(arrivals)
+        self.balancer = balancer
+        self.model = model
+        self.faults = faults
+        self.hedger = hedger
+        self.limited = limited
+        self.retries = retries
+        self.budget = retries.new_budget()
+        self.exchange_type = exchange_type
+        self.fault_rng = random.Random(f"{seed}:faults")
+        self.nodes = [SimNode(i, p, step_by_step) for i, p in enumerate(plans)]
+        self.by_id = {p.id: i for i, p in enumerate(plans)}
+        self.half_rtt = network_rtt_s / 2.0
+        self.prio = list(priorities) if priorities is not None else [1] * n
+        self.rec = RunRecord(
+            arrival=list(arrivals), prompt=list(prompts), output=list(outputs),
+            node=[-1] * n, first=[-1.0] * n, end=[-1.0] * n,
+            status=[UNFINISHED] * n, node_ids=[p.id for p in plans],
+        )
+        if limited:
+            self.rec.queue_s = [0.0] * n
+            self.rec.priority = self.prio
+        self.exchanges: list[Exchange | None] = [None] * n
+        # By copy id, which is its engine request id; None once its exchange ended
+        # (its later events are stale), so that ended exchanges are not kept alive.
+        self.copies: list[Copy | None] = []
+        self.copy_node: list[int] = []  # copy id -> node index
+        self.outstanding = n
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = itertools.count()  # the tie-break: the same seed gives the same run
 
-    def reschedule(ns: _NodeSim) -> None:
-        nonlocal seq
+    def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
+
+    # -- the loop ------------------------------------------------------------------
+
+    def run(self, horizon_s: float, tick_s: float,
+            progress: Callable[[float], None] | None) -> RunRecord:
+        rec = self.rec
+        self._schedule_faults(horizon_s)
+        if rec.arrival:
+            self.push(rec.arrival[0], ARRIVE, 0)
+        self.push(tick_s, TICK)
+        if any(f.kind == "crash" for f in self.faults):  # nothing else fails a probe
+            self.push(HEALTH_INTERVAL_S, HEALTH)
+        heap = self.heap
+        pop = heapq.heappop
+        push = heapq.heappush
+        seq = self.seq
+        nodes = self.nodes
+        copies = self.copies
+        next_progress = 0.0
+        now = 0.0
+        while heap:
+            now, _, kind, a, b = pop(heap)
+            if now > horizon_s:
+                break
+            if kind == ENGINE:
+                ns = nodes[a]
+                if b != ns.version:
+                    continue
+                ns.scheduled = math.inf
+                delay = self.half_rtt + ns.delay
+                for t_ev, ev_kind, cid in ns.engine.advance(now):
+                    push(heap, (t_ev + delay, next(seq), _DELIVERY[ev_kind], cid, 2))
+                self._reschedule(ns)
+            elif kind == ARRIVE:
+                if a + 1 < len(rec.arrival):
+                    self.push(rec.arrival[a + 1], ARRIVE, a + 1)
+                self._arrive(a, now)
+                if progress is not None and now >= next_progress:
+                    progress(now)
+                    next_progress = now + 10.0
+            elif kind == SUBMIT:
+                ns = nodes[b]
+                if ns.crashed:
+                    self.push(now + self.half_rtt + ns.delay, FAIL, a, 0)
+                    continue
+                copy = copies[a]
+                if copy is not None:
+                    rid = copy.exchange.tag
+                    ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now)
+                    self._reschedule(ns)
+            elif kind <= FAIL:  # FIRST, FINISH, FAIL
+                copy = copies[a]
+                if copy is None:
+                    continue
+                if kind == FIRST:
+                    self._first(copy, now)
+                elif kind == FINISH:
+                    self._finish(copy, now)
+                else:
+                    self._failed(copy, now, _CONNECT if b == 0 else _5XX)
+            elif kind == TIMER:
+                timed = self.exchanges[a]
+                if timed is not None:
+                    self._do(timed, timed.timer(now), now)
+            elif kind == FAULT:
+                self._fault(a, b == 1, now)
+            elif kind == HEALTH:
+                health_check(nodes, self.balancer)
+                if self.outstanding > 0:
+                    self.push(now + HEALTH_INTERVAL_S, HEALTH)
+            else:  # TICK
+                rec.events.extend(self.balancer.tick(now))
+                if self.limited:
+                    self._place_queued(now)
+                if self.outstanding > 0:
+                    self.push(now + tick_s, TICK)
+        return self._finish_record(now)
+
+    def _schedule_faults(self, horizon_s: float) -> None:
+        for fi, f in enumerate(self.faults):
+            self.push(f.at_s, FAULT, fi)
+            if f.kind == "stall":
+                end = f.at_s + (f.duration_s if f.duration_s is not None else horizon_s)
+                t, k = f.at_s + f.period_s, 1
+                while t < end and t < horizon_s:
+                    self.push(t, FAULT, fi)
+                    k += 1
+                    t = f.at_s + k * f.period_s
+            elif f.duration_s is not None:
+                self.push(f.at_s + f.duration_s, FAULT, fi, 1)
+
+    def _finish_record(self, now: float) -> RunRecord:
+        rec = self.rec
+        rec.end_time = now
+        b = self.balancer
+        rec.limits = {n.id: n.limiter.limit for n in b.nodes.values() if n.limiter is not None}
+        if self.hedger is not None:
+            rec.hedges, rec.hedge_wins = self.hedger.hedges, self.hedger.wins
+        det = b.outliers
+        if det is not None:
+            rec.outliers = {"detected": det.detected_ejections, "enforced": det.enforced_ejections,
+                            "time_in_states": det.time_in_states(now)}
+        return rec
+
+    def _reschedule(self, ns: SimNode) -> None:
         t = ns.engine.next_event_time()
         if t != ns.scheduled:
             ns.scheduled = t
             ns.version += 1
             if t < math.inf:
-                push(heap, (t, seq, _ENGINE, ns.index, ns.version))
-                seq += 1
+                self.push(t, ENGINE, ns.index, ns.version)
 
-    def dispatch(rid: int, t: float) -> None:
-        """Route request ``rid`` at time ``t`` (first try or retry)."""
-        nonlocal seq, outstanding
-        exclude: tuple[str, ...] = ()
-        old = tickets[rid]
-        if old is not None:
-            exclude = (old.node.id,)
-        attempts[rid] += 1
-        if limited:
-            got = balancer.admit(model_name, rec.prompt[rid], t, priority=prio[rid],
-                                 exclude=exclude, payload=rid)
-            if not isinstance(got, Ticket):
-                if got is None:
-                    status[rid] = FAILED_STATUS
-                elif isinstance(got, Shed):
-                    status[rid] = SHED
-                else:
-                    return  # queued: poll_queue places it when a permit frees
-                end_t[rid] = t
-                outstanding -= 1
-                return
-            send(rid, got, t)
-            return
-        ticket = balancer.pick(model_name, rec.prompt[rid], t, exclude=exclude)
-        if ticket is None:
-            status[rid] = FAILED_STATUS
-            end_t[rid] = t
-            outstanding -= 1
-            return
-        send(rid, ticket, t)
+    # -- exchange events -------------------------------------------------------------
 
-    def send(rid: int, ticket: Ticket, t: float) -> None:
-        nonlocal seq
-        if hedges is not None and attempts[rid] == 1:
-            hedges.on_send(rid, ticket, t)
-        tickets[rid] = ticket
-        ni = by_id[ticket.node.id]
-        rec.node[rid] = ni
-        ns = nodes[ni]
-        if ns.crashed:
-            push(heap, (t + half_rtt * 2 + ns.delay * 2, seq, _FAIL, rid, 0))
-            seq += 1
-            return
-        if ns.error_rate > 0.0 and fault_rng.random() < ns.error_rate:
-            push(heap, (t + half_rtt * 2 + ns.delay * 2, seq, _FAIL, rid, 1))
-            seq += 1
-            return
-        push(heap, (t + half_rtt + ns.delay, seq, _SUBMIT, rid, ni))
-        seq += 1
+    def _arrive(self, rid: int, now: float) -> None:
+        rec = self.rec
+        ex = self.exchange_type(self.balancer,
+                                Request(self.model, rec.prompt[rid], None, self.prio[rid]),
+                                self.retries, self.budget, self.hedger, rid)
+        self.exchanges[rid] = ex
+        self._do(ex, ex.arrive(now), now)
 
-    def place_queued(t: float) -> None:
+    def _first(self, copy: Copy, now: float) -> None:
+        ex = copy.exchange
+        self._do(ex, ex.first_chunk(copy, now), now)
+        if copy.state == COMMITTED and self.rec.first[ex.tag] < 0.0:
+            self.rec.first[ex.tag] = now
+            self.rec.node[ex.tag] = self.copy_node[copy.io]
+        if self.limited:  # a shorter prompt backlog may have let a waiter go
+            self._place_queued(now)
+
+    def _finish(self, copy: Copy, now: float) -> None:
+        if copy.state == ENDED:
+            return
+        ex = copy.exchange
+        rid = ex.tag
+        self._do(ex, ex.finished(copy, now, Outcome.OK, self.rec.output[rid]), now)
+        if ex.committed is copy:
+            if self.rec.first[rid] < 0.0:  # a one-token answer: first token and finish together
+                self.rec.first[rid] = now
+            self.rec.node[rid] = self.copy_node[copy.io]
+        if self.limited:
+            self._place_queued(now)
+
+    def _failed(self, copy: Copy, now: float, failure: Failure) -> None:
+        ex = copy.exchange
+        self._do(ex, ex.failed(copy, now, failure), now)
+        if self.limited:
+            self._place_queued(now)
+
+    def _place_queued(self, now: float) -> None:
         """Late binding: the queue's decisions since the last call."""
-        nonlocal outstanding
-        for waiter, decision in balancer.poll_queue(t):
-            rid = waiter.payload
-            if isinstance(decision, Shed):
-                status[rid] = SHED
-                end_t[rid] = t
-                outstanding -= 1
-            else:
-                if attempts[rid] == 1:
-                    rec.queue_s[rid] = t - arrival_times[rid]
-                send(rid, decision, t)
+        for ex, actions in pump(self.balancer, now):
+            if actions and type(actions[0]) is Dispatch:
+                self.rec.queue_s[ex.tag] = now - self.rec.arrival[ex.tag]
+            self._do(ex, actions, now)
 
-    def deliver(t_ev: float, ev_kind: int, rid: int) -> None:
-        """Queue an engine event for the gateway, after the network delay back."""
-        nonlocal seq
-        ns = nodes[rec.node[rid] if rid < n_req or hedges is None else hedges.delivery_node(rid)]
-        push(heap, (t_ev + half_rtt + ns.delay, seq, _DELIVERY[ev_kind], rid, 2))
-        seq += 1
+    def _fault(self, fi: int, ending: bool, now: float) -> None:
+        f = self.faults[fi]
+        ns = self.nodes[self.by_id[f.node]]
+        apply_fault(f, ending, ns, now, self._crashed, self._deliver)
+        self._reschedule(ns)
 
-    def fail(rid: int, t: float, outcome: Outcome) -> None:
-        nonlocal outstanding
-        ticket = tickets[rid]
-        if ticket is None or ticket.released:
-            return
-        balancer.on_finish(ticket, t, outcome, 0)
-        if first[rid] < 0.0 and attempts[rid] < MAX_ATTEMPTS:
-            rec.retries += 1
-            dispatch(rid, t)
-            return
-        status[rid] = FAILED_STATUS
-        end_t[rid] = t
-        outstanding -= 1
+    def _crashed(self, cid: int, t: float) -> None:
+        copy = self.copies[cid]
+        if copy is not None:
+            self._failed(copy, t, _CONNECT)
 
-    def fail_and_place(rid: int, t: float, outcome: Outcome) -> None:
-        fail(rid, t, outcome)
-        place_queued(t)
+    def _deliver(self, t_ev: float, ev_kind: int, cid: int) -> None:
+        """An engine event for the gateway, after the network delay back."""
+        ns = self.nodes[self.copy_node[cid]]
+        self.push(t_ev + self.half_rtt + ns.delay, _DELIVERY[ev_kind], cid, 2)
 
-    on_fail = fail_and_place if limited else fail
+    # -- exchange actions ------------------------------------------------------------
 
-    if hedging is not None and hedging.enabled:
-        def post(t: float, k: int, a: int, b: int) -> None:
-            nonlocal seq
-            push(heap, (t, seq, k, a, b))
-            seq += 1
+    def _do(self, ex: Exchange, actions: tuple[Action, ...], now: float) -> None:
+        for a in actions:  # usually none or one
+            kind = type(a)
+            if kind is Dispatch:
+                assert isinstance(a, Dispatch)
+                self._send(ex, a, now)
+            elif kind is Cancel:
+                assert isinstance(a, Cancel)
+                cid = a.copy.io
+                ns = self.nodes[self.copy_node[cid]]
+                if ns.engine.cancel(cid, now):
+                    self._reschedule(ns)
+            elif kind is ArmTimer:
+                assert isinstance(a, ArmTimer)
+                self.push(a.at, TIMER, ex.tag)
+            # Queue: the balancer holds it (its payload is the exchange) until _place_queued.
+        if ex.ended is not None:
+            rid = ex.tag
+            status = self.rec.status
+            if status[rid] == UNFINISHED:
+                status[rid] = _STATUS.get(ex.ended, FAILED_STATUS)
+                self.rec.end[rid] = now
+                self.outstanding -= 1
+                self.exchanges[rid] = None
+                for c in ex.copies:
+                    self.copies[c.io] = None
 
-        hedges = SimHedges(hedging, n_req=n_req, balancer=balancer, model=model, rec=rec,
-                           tickets=tickets, nodes=nodes, by_id=by_id, half_rtt=half_rtt,
-                           fault_rng=fault_rng, post=post, reschedule=reschedule,
-                           kinds=(_HEDGE, _SUBMIT, _FIRST, _FINISH, _FAIL),
-                           status_unfinished=UNFINISHED)
-        fault_fail = hedges.wrap_fail(on_fail)
-    else:
-        fault_fail = on_fail
-
-    while heap:
-        now, _, kind, a, b = pop(heap)
-        if now > horizon_s:
-            break
-        if hedges is not None and kind in _HEDGE_ROUTED:
-            a = hedges.route(kind, a, b, now)  # which copy of a hedged request, if any
-            if a < 0:
-                continue
-        if kind == _ENGINE:
-            ns = nodes[a]
-            if b != ns.version:
-                continue
-            ns.scheduled = math.inf
-            delay = half_rtt + ns.delay
-            for t_ev, ev_kind, rid in ns.engine.advance(now):
-                push(heap, (t_ev + delay, seq, _DELIVERY[ev_kind], rid, 2))
-                seq += 1
-            reschedule(ns)
-        elif kind == _ARRIVE:
-            if a + 1 < n_req:
-                push(heap, (arrival_times[a + 1], seq, _ARRIVE, a + 1, 0))
-                seq += 1
-            dispatch(a, now)
-            if progress is not None and now >= next_progress:
-                progress(now)
-                next_progress = now + 10.0
-        elif kind == _SUBMIT:
-            ns = nodes[b]
-            if ns.crashed:
-                fail(a, now + half_rtt + ns.delay, Outcome.CONNECT_FAILURE)
-                continue
-            ns.engine.submit(a, rec.prompt[a], out_tokens[a], now)
-            reschedule(ns)
-        elif kind == _FIRST:
-            ticket = tickets[a]
-            if ticket is not None and not ticket.released and first[a] < 0.0:
-                first[a] = now
-                balancer.on_first_token(ticket, now)
-                if limited:  # a shorter prompt backlog may have let a waiter go
-                    place_queued(now)
-        elif kind == _FINISH:
-            ticket = tickets[a]
-            if ticket is not None and not ticket.released:
-                if first[a] < 0.0:  # a one-token answer: first token and finish together
-                    first[a] = now
-                    balancer.on_first_token(ticket, now)
-                balancer.on_finish(ticket, now, Outcome.OK, out_tokens[a])
-                status[a] = OK
-                end_t[a] = now
-                outstanding -= 1
-                if limited:
-                    place_queued(now)
-        elif kind == _FAIL:
-            on_fail(a, now, Outcome.CONNECT_FAILURE if b == 0 else Outcome.UPSTREAM_5XX)
-        elif kind == _FAULT:
-            _apply_fault(faults[a], b == 1, nodes[by_id[faults[a].node]], now, fault_fail,
-                         deliver)
-            reschedule(nodes[by_id[faults[a].node]])
-        elif kind == _HEDGE:
-            if hedges is not None:
-                hedges.fire(a, now)
-        else:  # _TICK
-            rec.events.extend(balancer.tick(now))
-            if limited:
-                place_queued(now)
-            if outstanding > 0:
-                push(heap, (now + tick_s, seq, _TICK, 0, 0))
-                seq += 1
-    rec.end_time = now
-    rec.limits = {n.id: n.limiter.limit for n in balancer.nodes.values() if n.limiter is not None}
-    if hedges is not None:
-        rec.hedges, rec.hedge_wins = hedges.hedger.hedges, hedges.hedger.wins
-    det = balancer.outliers
-    if det is not None:
-        rec.outliers = {"detected": det.detected_ejections, "enforced": det.enforced_ejections,
-                        "time_in_states": det.time_in_states(now)}
-    return rec
-
-
-def _apply_fault(
-    f: Fault, ending: bool, ns: _NodeSim, now: float,
-    fail: Callable[[int, float, Outcome], None],
-    deliver: Callable[[float, int, int], None],
-) -> None:
-    eng = ns.engine
-    if f.kind == "throttle":
-        eng.set_speed(ns.base_speed if ending else ns.base_speed * f.factor, now)
-    elif f.kind == "stall":
-        if not ending:
-            eng.stall(f.pause_s, now)
-    elif f.kind == "crash":
-        if ending:
-            ns.crashed = False
-            eng.restart(now)
+    def _send(self, ex: Exchange, a: Dispatch, now: float) -> None:
+        copy = a.copy
+        cid = len(self.copies)
+        ni = self.by_id[copy.node_id]
+        copy.io = cid
+        self.copies.append(copy)
+        self.copy_node.append(ni)
+        if not copy.hedge:
+            self.rec.node[ex.tag] = ni
+        if a.retry_of is not None:
+            self.rec.retries += 1
+        ns = self.nodes[ni]
+        if ns.crashed:
+            self.push(now + 2.0 * (self.half_rtt + ns.delay), FAIL, cid, 0)
+        elif ns.error_rate > 0.0 and self.fault_rng.random() < ns.error_rate:
+            self.push(now + 2.0 * (self.half_rtt + ns.delay), FAIL, cid, 1)
         else:
-            ns.crashed = True
-            # crash() first reports what had already happened, then one FAILED per request.
-            for t_ev, kind, rid in eng.crash(now):
-                if kind == FAILED:
-                    fail(rid, t_ev, Outcome.CONNECT_FAILURE)
-                else:
-                    deliver(t_ev, kind, rid)
-    elif f.kind == "error_rate":
-        ns.error_rate = 0.0 if ending else f.rate
-    elif f.kind == "slow_network":
-        ns.delay = 0.0 if ending else f.delay_s
+            self.push(now + self.half_rtt + ns.delay, SUBMIT, cid, ni)
+        if ex.hedger is not None:  # nothing else listens to a copy sent
+            self._do(ex, ex.sent(copy, now), now)

@@ -1,0 +1,100 @@
+"""The simulated fleet's side: engines, the network to them, and the faults they suffer.
+
+One :class:`SimNode` per node of the fleet: its engine model
+(:class:`~tailguard.engine.Engine`), the extra one-way delay of a slow link,
+and its fault state. :func:`apply_fault` starts or ends one scenario fault
+on a node; what a fault does:
+
+``throttle``      the engine runs at ``factor`` times its speed
+``stall``         the engine pauses for ``pause_s`` (repeated every ``period_s``)
+``crash``         every request held fails, new ones fail to connect, until it ends
+``error_rate``    that share of requests is answered with a 5xx at once
+``slow_network``  ``delay_s`` more each way between the gateway and the node
+
+:func:`health_check` is the gateway's active health probing, which takes a
+crashed node out of rotation as the live gateway's monitor does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from tailguard.core.balancer import Balancer
+from tailguard.core.fleet import NodeState
+from tailguard.engine import FAILED, Engine
+from tailguard.sim.scenario import Fault, NodePlan
+
+# The gateway's active health checks (gateway.config.HealthSettings defaults):
+# a probe every HEALTH_INTERVAL_S; HEALTH_FAILURES failed in a row take a node
+# out of rotation (DOWN), one that passes puts it back.
+HEALTH_INTERVAL_S = 2.0
+HEALTH_FAILURES = 2
+
+
+class SimNode:
+    """One simulated node: its engine, its link and its fault state."""
+
+    __slots__ = ("base_speed", "checks_failed", "crashed", "delay", "engine", "error_rate",
+                 "index", "plan", "scheduled", "version")
+
+    def __init__(self, index: int, plan: NodePlan, step_by_step: bool) -> None:
+        self.index = index
+        self.plan = plan
+        self.engine = Engine(plan.perf, plan.engine, speed=plan.speed, step_by_step=step_by_step)
+        self.base_speed = plan.speed
+        self.version = 0  # of the engine's wake-up: an older one on the heap is stale
+        self.scheduled = math.inf
+        self.crashed = False
+        self.error_rate = 0.0
+        self.delay = 0.0  # extra one-way network delay (slow_network fault)
+        self.checks_failed = 0  # health probes failed in a row
+
+
+def health_check(nodes: list[SimNode], balancer: Balancer) -> None:
+    """One round of the gateway's health probes: only a crashed node fails its probe
+    (a hung or slow engine still answers ``/health`` in the engine model)."""
+    for ns in nodes:
+        node_id = ns.plan.id
+        node = balancer.nodes[node_id]
+        if ns.crashed:
+            ns.checks_failed += 1
+            if ns.checks_failed == HEALTH_FAILURES and node.state.routable:
+                balancer.set_state(node_id, NodeState.DOWN)
+        else:
+            ns.checks_failed = 0
+            if node.state is NodeState.DOWN:
+                balancer.set_state(node_id, NodeState.HEALTHY)
+
+
+# (engine request id, time) of a request that failed in the crash, and
+# (time, engine event kind, engine request id) of one that had already progressed.
+Failed = Callable[[int, float], None]
+Deliver = Callable[[float, int, int], None]
+
+
+def apply_fault(f: Fault, ending: bool, ns: SimNode, now: float, failed: Failed,
+                deliver: Deliver) -> None:
+    """Start (or, ``ending``, end) fault ``f`` on node ``ns`` at ``now``."""
+    eng = ns.engine
+    if f.kind == "throttle":
+        eng.set_speed(ns.base_speed if ending else ns.base_speed * f.factor, now)
+    elif f.kind == "stall":
+        if not ending:
+            eng.stall(f.pause_s, now)
+    elif f.kind == "crash":
+        if ending:
+            ns.crashed = False
+            eng.restart(now)
+        else:
+            ns.crashed = True
+            # crash() first reports what had already happened, then one FAILED per request.
+            for t_ev, kind, eid in eng.crash(now):
+                if kind == FAILED:
+                    failed(eid, t_ev)
+                else:
+                    deliver(t_ev, kind, eid)
+    elif f.kind == "error_rate":
+        ns.error_rate = 0.0 if ending else f.rate
+    elif f.kind == "slow_network":
+        ns.delay = 0.0 if ending else f.delay_s
