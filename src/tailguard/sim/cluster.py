@@ -412,5 +412,6 @@ class ClusterSim:
             self.push(now + 2.0 * (self.half_rtt + ns.delay), FAIL, cid, 1)
         else:
             self.push(now + self.half_rtt + ns.delay, SUBMIT, cid, ni)
-        if ex.hedger is not None:  # nothing else listens to a copy sent
-            self._do(ex, ex.sent(copy, now), now)
+        after = ex.sent(copy, now)  # the hedge's clock, if any
+        if after:
+            self._do(ex, after, now)
