@@ -13,7 +13,6 @@ from tailguard.core.admission import (
     Shed,
     Waiter,
     parse_admission,
-    priority_of,
 )
 from tailguard.core.balancer import Balancer, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, Outcome
@@ -97,7 +96,6 @@ def test_parse_admission_and_priority_names() -> None:
     assert parse_admission({"queue_max": 8}) == AdmissionConfig(queue_max=8)
     with pytest.raises(ConfigError, match=r"admission\.queue_max"):
         parse_admission({"queue_max": -1})
-    assert [priority_of(x) for x in ("high", "NORMAL", None, "bogus", "low")] == [0, 1, 1, 1, 2]
 
 
 def _balancer(queue_max: int = 16) -> Balancer:

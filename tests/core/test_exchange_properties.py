@@ -164,6 +164,8 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
     for ex in exchanges:
         if ex.ended is None:
             drv.apply(ex, ex.client_gone(now + 1.0), now + 1.0)
+            for other, actions in pump(b, now + 1.0):  # as after every event
+                drv.apply(other, actions, now + 1.0)
     for ex in exchanges:
         answers = drv.answers.get(id(ex), [])
         assert ex.ended is not None

@@ -34,7 +34,7 @@ def make_nodes(gpus: list[str]) -> dict[str, Node]:
         i = counts.get(gpu.name, 0)
         counts[gpu.name] = i + 1
         spec = NodeSpec(f"{gpu.name}#{i}", gpu, gpu.name, models=(MODEL,))
-        out[spec.id] = Node(spec, PerfModel(gpu, DEFAULT_CATALOG.model(MODEL)), len(out))
+        out[spec.id] = Node(spec, PerfModel(gpu, DEFAULT_CATALOG.model(MODEL)))
     return out
 
 

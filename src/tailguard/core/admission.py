@@ -355,11 +355,6 @@ def parse_admission(raw: Any, where: str = "admission") -> AdmissionConfig | Non
     )
 
 
-def priority_of(name: str | None) -> int:
-    """``high`` 0, ``normal`` 1 (also for None and unknown names), ``low`` 2."""
-    return PRIORITIES.get((name or "normal").strip().lower(), 1)
-
-
 __all__ = [
     "PRIORITIES",
     "PRIORITY_NAMES",
@@ -368,5 +363,4 @@ __all__ = [
     "Shed",
     "Waiter",
     "parse_admission",
-    "priority_of",
 ]

@@ -186,8 +186,6 @@ class Balancer:
         self.pools: dict[str, Pool] = {}
         self.nodes: dict[str, Node] = {}
         self.double_release = 0  # on_finish for an already released ticket
-        self._order = 0
-        self._last_tick = -1.0
         self._ticket_seq = 0
         self._waiter_seq = 0
         # > 0 while admit/poll_queue decide: their inner picks are part of the
@@ -263,8 +261,7 @@ class Balancer:
             raise ConfigError(f"nodes.{spec.id}", "duplicate node id")
         if self.recorder is not None:
             self.recorder({"op": "add_node", "spec": spec_to_dict(spec)})
-        node = Node(spec, self._prior(spec), self._order)
-        self._order += 1
+        node = Node(spec, self._prior(spec))
         self.nodes[spec.id] = node
         for name in spec.models:
             pool = self.pools.get(name)

@@ -85,10 +85,6 @@ class NodeSpec:
     def gpu_class(self) -> str:
         return self.gpu.name if self.gpu else self.gpu_name
 
-    @property
-    def gpu_count(self) -> int:
-        return self.tp
-
 
 class NodeView(Protocol):
     """What a routing policy may read about a node. Never written by a policy."""
@@ -140,8 +136,6 @@ class Node:
         "in_flight",
         "latency",
         "limiter",
-        "order",
-        "out_tokens_per_s",
         "perf",
         "prefill_backlog",
         "prefill_tokens_total",
@@ -155,11 +149,10 @@ class Node:
         "weight_scale",
     )
 
-    def __init__(self, spec: NodeSpec, perf: PerfModel, order: int = 0) -> None:
+    def __init__(self, spec: NodeSpec, perf: PerfModel) -> None:
         self.spec = spec
         self.id = spec.id
         self.perf = perf
-        self.order = order  # registration order: ties go to the earliest
         self.state = NodeState.HEALTHY
         self.weight_scale = 1.0
         self.slots = spec.max_num_seqs
@@ -180,7 +173,6 @@ class Node:
         self.latency = PeakEwma(tau=10.0)
         self.ttft = Ewma(tau=10.0)
         self.tpot = Ewma(tau=10.0)
-        self.out_tokens_per_s = Ewma(tau=10.0)
         self.engine_running = -1  # -1: not reported (yet)
         self.engine_waiting = -1
         self.engine_kv_usage = -1.0

@@ -23,7 +23,7 @@ Worked example (Llama-2-70B, TP2, decode at batch 1 on A100-80GB)::
     overhead = 2 ms + 80 * 30 us  =  4.4 ms
     allreduce = 2 * 80 * 25 us    =  4.0 ms       -> 54 ms  (measured: 55 ms)
 
-The calibration points (``../shared/facts.md``: 55 ms A100, 37 ms H100,
+The calibration points (``docs/sources.md``: 55 ms A100, 37 ms H100,
 688 ms for a 2048-token prefill on A100, H100/A100 decode ratio 1.3-1.8) are
 checked in ``tests/core/test_hardware.py``.
 
@@ -85,7 +85,7 @@ class Model:
         return self.params * self.bytes_per_weight
 
 
-# Datasheet values (../shared/facts.md). Prices are examples only and are meant
+# Datasheet values (docs/sources.md). Prices are examples only and are meant
 # to be overridden from configuration; interconnect is NVLink/Infinity Fabric
 # per-GPU bandwidth, or PCIe for cards without it.
 _GPUS: tuple[GPU, ...] = (

@@ -8,7 +8,7 @@ exactly once: success, ignored or dropped) up to a limit that a :class:`Limit`
 algorithm adapts from samples.
 
 The algorithms follow Netflix's concurrency-limits library (see
-``facts.md``), with the latency signal replaced by the request's TPOT and
+``docs/sources.md``), with the latency signal replaced by the request's TPOT and
 TTFT on the node measured against the pool's SLO, instead of a plain round
 trip time against its no-load minimum:
 

@@ -1,7 +1,7 @@
 """Engine metrics of an emulated node, in the Prometheus text format of a real engine.
 
 The default dialect is vLLM's (names from ``vllm/v1/metrics/loggers.py``, as
-listed in the project's reference facts), and a node whose fleet entry says
+listed in ``docs/sources.md``), and a node whose fleet entry says
 ``engine: sglang``, ``trtllm`` or ``tgi`` speaks that engine's names instead,
 so the gateway's scrape adapters can be tested against each one:
 

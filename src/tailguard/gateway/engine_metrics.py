@@ -1,6 +1,6 @@
 """Reading an engine's own load from its Prometheus ``/metrics`` page.
 
-Each engine names the same three quantities differently (``../shared/facts.md``);
+Each engine names the same three quantities differently (``docs/sources.md``);
 an :class:`EngineAdapter` maps them:
 
 =========  ===============================  ==============================  ==============================================

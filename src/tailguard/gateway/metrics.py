@@ -78,6 +78,8 @@ from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
 
 if TYPE_CHECKING:
+    from tailguard.core.balancer import Balancer, Pool
+    from tailguard.core.fleet import Node
     from tailguard.gateway.live_fleet import LiveFleet
 
 UNKNOWN_POOL = "_unknown"
@@ -362,49 +364,29 @@ class FleetCollector:
         return [slo_ttft, slo_tpot, target, states, queue, capacity]
 
 
-def node_limit(node: Any) -> int:
-    """The node's concurrency limit: a limiter's ``limit`` when the core has one, else slots.
-
-    Read through ``getattr`` so that the gauge works before and after the
-    per-node limiters (issue 4) land: ``node.limit`` may be a number or an
-    object with a ``limit`` attribute.
-    """
-    lim = getattr(node, "limiter", None) or getattr(node, "limit", None)
-    if lim is not None and not isinstance(lim, (int, float)):
-        lim = getattr(lim, "limit", None)
-    if isinstance(lim, (int, float)):
-        return int(lim)
-    return int(node.slots)
+def node_limit(node: Node) -> int:
+    """The node's concurrency limit: its limiter's when its pool has limits, else its slots."""
+    return node.limiter.limit if node.limiter is not None else node.slots
 
 
-def node_slowness(node: Any, balancer: Any = None) -> float:
+def node_slowness(node: Node, balancer: Balancer | None = None) -> float:
     """Slowness for the node's own hardware: the outlier detector's calibrated ratio when
     detection runs (``balancer.outliers``), else the node's decode slowdown over its GPU
     class's (1 = as fast as its peers)."""
-    det = getattr(balancer, "outliers", None)
+    det = balancer.outliers if balancer is not None else None
     health = det.health.get(node.id) if det is not None else None
-    ratio = getattr(health, "slowness", None)
-    if isinstance(ratio, (int, float)) and math.isfinite(ratio):
-        return float(ratio)
+    if health is not None and math.isfinite(health.slowness):
+        return float(health.slowness)
     cls = node.class_decode_slowdown
     return float(node.capacity.decode_slowdown / cls) if cls > 0 else 1.0
 
 
-def pool_queue_depth(pool: Any) -> int:
-    """Requests waiting in the pool's admission queue (issue 4), 0 while there is none."""
-    q = getattr(pool, "queue", None)
-    if q is None:
-        return 0
-    depth = getattr(q, "depth", None)
-    if isinstance(depth, int):
-        return depth
-    try:
-        return len(q)
-    except TypeError:
-        return 0
+def pool_queue_depth(pool: Pool) -> int:
+    """Requests waiting in the pool's admission queue, 0 when it has none."""
+    return pool.queue.length if pool.queue is not None else 0
 
 
-def capacity_tokens_per_s(fleet: LiveFleet, node: Any) -> float:
+def capacity_tokens_per_s(fleet: LiveFleet, node: Node) -> float:
     """Decode tokens/s the node delivers at the largest batch that keeps its pool's TPOT SLO."""
     models = node.spec.models
     pool = fleet.balancer.pools.get(models[0]) if models else None

@@ -11,7 +11,7 @@ typical prompt and answer lengths:
 * the same at ``target`` (0.9) of the SLO: the gateway's initial per-node
   concurrency limit, which then adapts (``limits: {kind: gradient}``);
 * the chunked-prefill token budget that keeps a step of that batch within
-  the SLO (Sarathi-Serve's rule; ``facts.md``): ``--max-num-batched-tokens``;
+  the SLO (Sarathi-Serve's rule; ``docs/sources.md``): ``--max-num-batched-tokens``;
 * throughput at the SLO: ``batch / step`` tokens/s, over the mean answer
   length requests/s, and the group's share of the fleet's.
 

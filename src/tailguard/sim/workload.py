@@ -44,8 +44,8 @@ to ``[min, max]`` (``min`` defaults to 1).
                (otherwise only capped at :data:`TOKEN_CAP`) and ``min``.
 ``azure-conv`` and ``azure-code``: fits to the Azure LLM inference trace 2023
 (Patel et al., "Splitwise", ISCA 2024; traces published as
-``AzurePublicDataset/AzureLLMInferenceTrace_{conv,code}``), as recorded in the
-project's reference facts:
+``AzurePublicDataset/AzureLLMInferenceTrace_{conv,code}``), as recorded in
+``docs/sources.md``:
 
 =========== ============================ ======================================
 preset      input_tokens                 output_tokens
