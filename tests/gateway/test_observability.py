@@ -231,8 +231,8 @@ def test_serve_logs_json_lines(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
-def test_optional_core_parts_are_read_when_present() -> None:
-    """Limiter, admission queue and outlier detector: read if the core has them."""
+def test_limit_slowness_and_queue_readers() -> None:
+    """Limiter, admission queue and outlier detector: read when the pool or node has them."""
     cap = NS(decode_slowdown=1.5)
     bare = NS(id="n", slots=64, limiter=None, class_decode_slowdown=1.2, capacity=cap)
     assert node_limit(bare) == 64
@@ -242,6 +242,6 @@ def test_optional_core_parts_are_read_when_present() -> None:
     assert node_slowness(bare, NS(outliers=det)) == 3.1
     assert node_slowness(bare, NS(outliers=NS(health={}))) == pytest.approx(1.25)
     assert pool_queue_depth(NS(queue=None)) == 0
-    assert pool_queue_depth(NS(queue=[1, 2, 3])) == 3
+    assert pool_queue_depth(NS(queue=NS(length=3))) == 3
     assert pool_shed_total(NS(queue=None)) == 0
     assert pool_shed_total(NS(queue=NS(shed_total={"queue_full": 2, "deadline": 1}))) == 3
