@@ -46,117 +46,31 @@ on no retry and no hedge, and a failure ends the exchange with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from tailguard.core.admission import Shed, Waiter
 from tailguard.core.balancer import Balancer, Ticket
+from tailguard.core.exchange_types import (
+    COMMITTED,
+    ENDED,
+    NO_CAPACITY,
+    NONE,
+    RETRY_AFTER_S,
+    SENT,
+    Action,
+    ArmTimer,
+    Cancel,
+    Copy,
+    Dispatch,
+    Fail,
+    Failure,
+    Queue,
+    Refuse,
+    Request,
+)
 from tailguard.core.fleet import Outcome
 from tailguard.core.hedging import Hedger
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
-
-RETRY_AFTER_S = "1"  # Retry-After of a 503 when no node can take the request
-
-
-class Request(NamedTuple):
-    """What the exchange needs to know of a client request."""
-
-    model: str
-    prompt_tokens: int
-    max_tokens: int | None = None
-    priority: int = 1  # 0 high, 1 normal, 2 low
-    stream: bool = True  # only streamed requests are hedged (nothing reaches the client early)
-    ttft_s: float | None = None  # the client's own TTFT budget, for the queue's deadline
-    size_bytes: int = 0  # the body's size, for the queue's byte cap
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A failed attempt, and what the client gets if nothing else serves the request."""
-
-    origin: Outcome
-    status: int
-    message: str
-    code: str
-    retry_after: str | None = None
-    # A 5xx may be the request's doing rather than the node's: charged only
-    # once another node served the same request.
-    judged: bool = True
-
-
-NO_CAPACITY = "no_capacity"
-
-# Copy states.
-SENT, COMMITTED, ENDED = 0, 1, 2
-
-
-class Copy:
-    """One attempt of the exchange on one node: the first, a retry or the hedge."""
-
-    __slots__ = ("exchange", "hedge", "io", "state", "ticket")
-
-    def __init__(self, exchange: Exchange, ticket: Ticket, hedge: bool) -> None:
-        self.exchange = exchange
-        self.ticket = ticket
-        self.hedge = hedge
-        self.state = SENT
-        self.io: Any = None  # the driver's handle on it (a task, an engine request id)
-
-    @property
-    def node_id(self) -> str:
-        return self.ticket.node.id
-
-    def __repr__(self) -> str:
-        kind = "hedge" if self.hedge else "copy"
-        return f"<{kind} on {self.node_id}: {('sent', 'committed', 'ended')[self.state]}>"
-
-
-# -- actions (named tuples: cheap to make, and immutable) ----------------------------
-
-
-class Dispatch(NamedTuple):
-    """Send the request to ``copy.node_id``; report its events with ``copy``."""
-
-    copy: Copy
-    retry_of: Outcome | None = None  # the failure this retry follows, for metrics
-
-
-class Queue(NamedTuple):
-    """Wait: the balancer's queue holds it; :meth:`Exchange.queue_decision` follows."""
-
-    waiter: Waiter
-
-
-class Cancel(NamedTuple):
-    """Stop ``copy`` (close its connection, cancel it in the engine); its permit is released."""
-
-    copy: Copy
-
-
-class ArmTimer(NamedTuple):
-    """Call :meth:`Exchange.timer` at ``at`` (the exchange ignores a stale call)."""
-
-    at: float
-
-
-class Refuse(NamedTuple):
-    """The end: answer 429 with ``Retry-After`` (shed at admission)."""
-
-    shed: Shed
-    status: int = 429
-
-
-class Fail(NamedTuple):
-    """The end: the request failed. ``committed``: after its first byte (an SSE
-    error event ends the stream); else an error answer with ``failure.status``."""
-
-    failure: Failure
-    node_id: str | None
-    committed: bool
-
-
-Action = Dispatch | Queue | Cancel | ArmTimer | Refuse | Fail
-NONE: tuple[Action, ...] = ()
 
 
 class Exchange:
@@ -471,5 +385,6 @@ def pump(balancer: Balancer, now: float) -> list[tuple[Exchange, tuple[Action, .
     return out
 
 
-__all__ = ["NO_CAPACITY", "Action", "ArmTimer", "Cancel", "Copy", "Dispatch", "Exchange", "Fail",
-           "Failure", "Queue", "Refuse", "Request", "RetryConfig", "pump"]
+__all__ = ["COMMITTED", "ENDED", "NO_CAPACITY", "SENT", "Action", "ArmTimer", "Cancel", "Copy",
+           "Dispatch", "Exchange", "Fail", "Failure", "Queue", "Refuse", "Request", "RetryConfig",
+           "pump"]

@@ -9,7 +9,7 @@ module maps its actions onto asyncio and HTTP:
   (:meth:`Forwarder._try`); a connect error, a timeout, a 5xx, a 429 or a
   stream that ends before any data is reported as ``failed`` with its origin.
   Without hedging the attempt is awaited in the handler itself; with it, each
-  copy is a task of a :class:`_Race`.
+  copy is a task of a :class:`Race`.
 * :class:`~tailguard.core.exchange.ArmTimer`: a loop timer that calls
   ``exchange.timer``; :class:`~tailguard.core.exchange.Cancel`: cancel the
   copy's task and close its connection.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -60,6 +59,7 @@ from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import CLIENT_CLOSED, note
 from tailguard.gateway.metrics import GatewayMetrics
 from tailguard.gateway.openai_request import PATHS, RoutedRequest
+from tailguard.gateway.race import Answer, Race, cancel_losers
 from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 from tailguard.gateway.upstream import (
     UpstreamClient,
@@ -76,7 +76,6 @@ _RESPONSE_SKIP = frozenset({
 # Set once the request's status is in the metrics (a late disconnect must not count it again).
 _COUNTED = web.RequestKey("tailguard_counted", int)
 
-Answer = tuple[UpstreamResponse, bytes]  # a response with its first chunk (or whole body)
 
 
 def count_answer(metrics: GatewayMetrics, request: web.Request, pool: str, status: int) -> None:
@@ -141,7 +140,7 @@ class Forwarder:
     async def _drive(self, ex: Exchange, call: Call,
                      actions: tuple[Action, ...]) -> web.StreamResponse:
         """Carry out the exchange's actions until it commits a copy or ends."""
-        race: _Race | None = None
+        race: Race | None = None
         try:
             while True:
                 run: Copy | None = None
@@ -154,11 +153,11 @@ class Forwarder:
                         if ex.hedger is None:
                             run = a.copy  # one copy at a time: awaited right here
                         else:
-                            race = race or _Race()
+                            race = race or Race()
                             race.start(a.copy, self._try(call, a.copy))
                         todo.extend(ex.sent(a.copy, time.monotonic()))
                     elif type(a) is ArmTimer:
-                        race = race or _Race()
+                        race = race or Race()
                         race.arm(a.at)
                     elif type(a) is Cancel:
                         if race is not None:
@@ -271,7 +270,7 @@ class Forwarder:
     # -- the committed copy ------------------------------------------------------------
 
     async def _answer(self, ex: Exchange, call: Call, copy: Copy, answer: Answer,
-                      race: _Race | None) -> web.StreamResponse:
+                      race: Race | None) -> web.StreamResponse:
         resp, payload = answer
         node = self.fleet.nodes[copy.node_id]
         model = call.req.model
@@ -283,7 +282,7 @@ class Forwarder:
                 now = time.monotonic()
                 ok = status < 400  # else the engine refused the request itself: passed on
                 tokens = (usage_completion_tokens(payload) or 0) if ok else 0
-                _cancel(race, ex.finished(copy, now, Outcome.OK if ok else Outcome.CLIENT_ERROR,
+                cancel_losers(race, ex.finished(copy, now, Outcome.OK if ok else Outcome.CLIENT_ERROR,
                                           tokens))
                 if ok:
                     self.metrics.answered(model, node.id, node.gpu_class, now - call.t0, tokens)
@@ -294,7 +293,7 @@ class Forwarder:
             # Committed: the client gets the answer's first bytes. Its prefill is
             # learnt at the end, once the usage says what was cached.
             t_first = time.monotonic()
-            _cancel(race, ex.first_chunk(copy, t_first, served=status < 400,
+            cancel_losers(race, ex.first_chunk(copy, t_first, served=status < 400,
                                          defer_prefill=True))
             return await self._stream(ex, call, copy, resp, payload, t_first)
         finally:
@@ -302,6 +301,13 @@ class Forwarder:
                 resp.release()  # read to the end: the connection is reusable
             else:
                 resp.close()
+
+    def _gone(self, ex: Exchange, call: Call, counter: SseCounter,
+              out: web.StreamResponse) -> web.StreamResponse:
+        """The client left mid-stream (or read too slowly): 499, and every permit back."""
+        count_answer(self.metrics, call.request, call.req.model, CLIENT_CLOSED)
+        ex.client_gone(time.monotonic(), counter.output_tokens())
+        return out
 
     async def _stream(self, ex: Exchange, call: Call, copy: Copy, resp: UpstreamResponse,
                       first: bytes, t_first: float) -> web.StreamResponse:
@@ -319,47 +325,24 @@ class Forwarder:
             await out.prepare(request)
             await out.write(first)
         except ConnectionError:
-            count_answer(self.metrics, request, model, CLIENT_CLOSED)
-            ex.client_gone(time.monotonic(), counter.output_tokens())
-            return out
-        last = t_first
+            return self._gone(ex, call, counter, out)
         max_gap = 0.0
         idle = call.settings.timeouts.idle_s
         write_s = self.fleet.config.client.write_timeout_s
         error: Failure | None = None
         watchdog = IdleTimeout(loop, idle, call.deadline, write_s)
         try:
-            async with watchdog:
-                while True:
-                    chunk = await resp.readany()
-                    if not chunk:
-                        break
-                    now = time.monotonic()
-                    if now - last > max_gap:
-                        max_gap = now - last
-                    last = now
-                    counter.feed(chunk)
-                    watchdog.touch()
-                    watchdog.writing = True
-                    try:
-                        await out.write(chunk)
-                    except ConnectionError as exc:
-                        raise _ClientGone from exc
-                    watchdog.writing = False
+            max_gap = await _relay(resp, out, counter, watchdog, t_first)
         except _ClientGone:
-            count_answer(self.metrics, request, model, CLIENT_CLOSED)
-            ex.client_gone(time.monotonic(), counter.output_tokens())
-            return out
+            return self._gone(ex, call, counter, out)
         except TimeoutError:
             if watchdog.cause == "client":
                 # It read nothing for write_s: the client's doing, never the node's.
                 note(origin="client_slow_read")
                 self.metrics.client_closed_reason("slow_reader")
-                count_answer(self.metrics, request, model, CLIENT_CLOSED)
-                ex.client_gone(time.monotonic(), counter.output_tokens())
                 if request.transport is not None:
                     request.transport.abort()
-                return out
+                return self._gone(ex, call, counter, out)
             total = watchdog.cause == "total"
             error = Failure(Outcome.TIMEOUT, 504,
                             f"node {node.id} exceeded the request's total time" if total
@@ -403,84 +386,29 @@ class Forwarder:
         return out
 
 
-class _Race:
-    """The copies of a hedged request as tasks, and the hedge timer."""
-
-    __slots__ = ("fired", "fired_at", "tasks", "timer")
-
-    def __init__(self) -> None:
-        self.tasks: dict[asyncio.Task[Failure | Answer], Copy] = {}
-        self.timer: asyncio.TimerHandle | None = None
-        self.fired: asyncio.Future[None] | None = None
-        self.fired_at = 0.0  # the exchange's time the timer was armed for
-
-    def start(self, copy: Copy, coro: Coroutine[object, object, Failure | Answer]) -> None:
-        task = asyncio.ensure_future(coro)
-        self.tasks[task] = copy
-        copy.io = task
-
-    def arm(self, at: float) -> None:
-        loop = asyncio.get_running_loop()
-        if self.timer is not None:
-            self.timer.cancel()
-        fired: asyncio.Future[None] = loop.create_future()
-        self.fired = fired
-        self.fired_at = at
-        # The exchange's clock is time.monotonic(); uvloop's loop.time() need not be.
-        self.timer = loop.call_later(max(0.0, at - time.monotonic()), _resolve, fired)
-
-    async def next(self) -> tuple[Copy, Failure | Answer] | None:
-        """The next copy to finish its attempt; None when the timer fired first."""
-        waits: set[asyncio.Future[object]] = set(self.tasks)  # type: ignore[arg-type]
-        if self.fired is not None:
-            waits.add(self.fired)  # type: ignore[arg-type]
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in list(self.tasks):
-            if task in done:
-                return self.tasks.pop(task), task.result()
-        self.fired = None
-        self.timer = None
-        return None
-
-    def keep(self, copy: Copy) -> None:
-        """``copy`` won: it is no longer the race's to close."""
-        for task, c in list(self.tasks.items()):
-            if c is copy:
-                del self.tasks[task]
-
-    def cancel(self, copy: Copy) -> None:
-        task = copy.io
-        if isinstance(task, asyncio.Task):
-            self.tasks.pop(task, None)
-            _stop(task)
-
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        for task in self.tasks:
-            _stop(task)
-        self.tasks.clear()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _cancel(race: _Race | None, actions: tuple[Action, ...]) -> None:
-    """Carry out the Cancel actions of a commit (the losers of the race)."""
-    for a in actions:
-        if race is not None and type(a) is Cancel:
-            race.cancel(a.copy)
-
-
-def _stop(task: asyncio.Task[Failure | Answer]) -> None:
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled() and task.exception() is None:
-        got = task.result()
-        if not isinstance(got, Failure):
-            got[0].close()
+async def _relay(resp: UpstreamResponse, out: web.StreamResponse, counter: SseCounter,
+                 watchdog: IdleTimeout, t_first: float) -> float:
+    """Copy the stream's chunks to the client as they come, counting its events;
+    returns the longest gap between two chunks."""
+    last = t_first
+    max_gap = 0.0
+    async with watchdog:
+        while True:
+            chunk = await resp.readany()
+            if not chunk:
+                return max_gap
+            now = time.monotonic()
+            if now - last > max_gap:
+                max_gap = now - last
+            last = now
+            counter.feed(chunk)
+            watchdog.touch()
+            watchdog.writing = True
+            try:
+                await out.write(chunk)
+            except ConnectionError as exc:
+                raise _ClientGone from exc
+            watchdog.writing = False
 
 
 async def _end_stream(out: web.StreamResponse, write_s: float, last: bytes = b"") -> None:
