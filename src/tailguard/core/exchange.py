@@ -274,7 +274,7 @@ class Exchange:
 
     def _dispatch(self, ticket: Ticket, now: float, retry_of: Outcome | None,
                   hedge: bool) -> Dispatch:
-        c = Copy(self, ticket, hedge)
+        c = Copy(ticket, hedge)
         self.copies.append(c)
         if not hedge:
             self.attempts += 1

@@ -185,6 +185,7 @@ class ClusterSim:
         # By copy id, which is its engine request id; None once its exchange ended
         # (its later events are stale), so that ended exchanges are not kept alive.
         self.copies: list[Copy | None] = []
+        self.copy_ex: list[Exchange | None] = []  # copy id -> its exchange, the same way
         self.copy_node: list[int] = []  # copy id -> node index
         self.outstanding = n
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -237,21 +238,22 @@ class ClusterSim:
                 if ns.crashed:
                     self.push(now + self.half_rtt + ns.delay, FAIL, a, 0)
                     continue
-                copy = copies[a]
-                if copy is not None:
-                    rid = copy.exchange.tag
+                owner = self.copy_ex[a]
+                if owner is not None:
+                    rid = owner.tag
                     ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now)
                     self._reschedule(ns)
             elif kind <= FAIL:  # FIRST, FINISH, FAIL
                 copy = copies[a]
-                if copy is None:
+                ex = self.copy_ex[a]
+                if copy is None or ex is None:
                     continue
                 if kind == FIRST:
-                    self._first(copy, now)
+                    self._first(ex, copy, now)
                 elif kind == FINISH:
-                    self._finish(copy, now)
+                    self._finish(ex, copy, now)
                 else:
-                    self._failed(copy, now, _CONNECT if b == 0 else _5XX)
+                    self._failed(ex, copy, now, _CONNECT if b == 0 else _5XX)
             elif kind == TIMER:
                 timed = self.exchanges[a]
                 if timed is not None:
@@ -314,8 +316,7 @@ class ClusterSim:
         self.exchanges[rid] = ex
         self._do(ex, ex.arrive(now), now)
 
-    def _first(self, copy: Copy, now: float) -> None:
-        ex = copy.exchange
+    def _first(self, ex: Exchange, copy: Copy, now: float) -> None:
         self._do(ex, ex.first_chunk(copy, now), now)
         if copy.state == COMMITTED and self.rec.first[ex.tag] < 0.0:
             self.rec.first[ex.tag] = now
@@ -323,10 +324,9 @@ class ClusterSim:
         if self.limited:  # a shorter prompt backlog may have let a waiter go
             self._place_queued(now)
 
-    def _finish(self, copy: Copy, now: float) -> None:
+    def _finish(self, ex: Exchange, copy: Copy, now: float) -> None:
         if copy.state == ENDED:
             return
-        ex = copy.exchange
         rid = ex.tag
         self._do(ex, ex.finished(copy, now, Outcome.OK, self.rec.output[rid]), now)
         if ex.committed is copy:
@@ -336,8 +336,7 @@ class ClusterSim:
         if self.limited:
             self._place_queued(now)
 
-    def _failed(self, copy: Copy, now: float, failure: Failure) -> None:
-        ex = copy.exchange
+    def _failed(self, ex: Exchange, copy: Copy, now: float, failure: Failure) -> None:
         self._do(ex, ex.failed(copy, now, failure), now)
         if self.limited:
             self._place_queued(now)
@@ -357,8 +356,9 @@ class ClusterSim:
 
     def _crashed(self, cid: int, t: float) -> None:
         copy = self.copies[cid]
-        if copy is not None:
-            self._failed(copy, t, _CONNECT)
+        ex = self.copy_ex[cid]
+        if copy is not None and ex is not None:
+            self._failed(ex, copy, t, _CONNECT)
 
     def _deliver(self, t_ev: float, ev_kind: int, cid: int) -> None:
         """An engine event for the gateway, after the network delay back."""
@@ -393,6 +393,7 @@ class ClusterSim:
                 self.exchanges[rid] = None
                 for c in ex.copies:
                     self.copies[c.io] = None
+                    self.copy_ex[c.io] = None
 
     def _send(self, ex: Exchange, a: Dispatch, now: float) -> None:
         copy = a.copy
@@ -400,6 +401,7 @@ class ClusterSim:
         ni = self.by_id[copy.node_id]
         copy.io = cid
         self.copies.append(copy)
+        self.copy_ex.append(ex)
         self.copy_node.append(ni)
         if not copy.hedge:
             self.rec.node[ex.tag] = ni
