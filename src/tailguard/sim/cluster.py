@@ -211,6 +211,7 @@ class ClusterSim:
         seq = self.seq
         nodes = self.nodes
         copies = self.copies
+        n_req = len(rec.arrival)
         next_progress = 0.0
         now = 0.0
         while heap:
@@ -227,8 +228,8 @@ class ClusterSim:
                     push(heap, (t_ev + delay, next(seq), _DELIVERY[ev_kind], cid, 2))
                 self._reschedule(ns)
             elif kind == ARRIVE:
-                if a + 1 < len(rec.arrival):
-                    self.push(rec.arrival[a + 1], ARRIVE, a + 1)
+                if a + 1 < n_req:
+                    push(heap, (rec.arrival[a + 1], next(seq), ARRIVE, a + 1, 0))
                 self._arrive(a, now)
                 if progress is not None and now >= next_progress:
                     progress(now)
@@ -304,7 +305,7 @@ class ClusterSim:
             ns.scheduled = t
             ns.version += 1
             if t < math.inf:
-                self.push(t, ENGINE, ns.index, ns.version)
+                heapq.heappush(self.heap, (t, next(self.seq), ENGINE, ns.index, ns.version))
 
     # -- exchange events -------------------------------------------------------------
 
@@ -315,9 +316,13 @@ class ClusterSim:
                                 self.retries, self.budget, self.hedger, rid)
         self.exchanges[rid] = ex
         self._do(ex, ex.arrive(now), now)
+        if ex.ended is not None:  # refused or failed at once
+            self._settle(ex, now)
 
     def _first(self, ex: Exchange, copy: Copy, now: float) -> None:
-        self._do(ex, ex.first_chunk(copy, now), now)
+        actions = ex.first_chunk(copy, now)
+        if actions:  # the race's losers
+            self._do(ex, actions, now)
         if copy.state == COMMITTED and self.rec.first[ex.tag] < 0.0:
             self.rec.first[ex.tag] = now
             self.rec.node[ex.tag] = self.copy_node[copy.io]
@@ -328,7 +333,10 @@ class ClusterSim:
         if copy.state == ENDED:
             return
         rid = ex.tag
-        self._do(ex, ex.finished(copy, now, Outcome.OK, self.rec.output[rid]), now)
+        actions = ex.finished(copy, now, Outcome.OK, self.rec.output[rid])
+        if actions:
+            self._do(ex, actions, now)
+        self._settle(ex, now)
         if ex.committed is copy:
             if self.rec.first[rid] < 0.0:  # a one-token answer: first token and finish together
                 self.rec.first[rid] = now
@@ -338,6 +346,8 @@ class ClusterSim:
 
     def _failed(self, ex: Exchange, copy: Copy, now: float, failure: Failure) -> None:
         self._do(ex, ex.failed(copy, now, failure), now)
+        if ex.ended is not None:
+            self._settle(ex, now)
         if self.limited:
             self._place_queued(now)
 
@@ -347,6 +357,8 @@ class ClusterSim:
             if actions and type(actions[0]) is Dispatch:
                 self.rec.queue_s[ex.tag] = now - self.rec.arrival[ex.tag]
             self._do(ex, actions, now)
+            if ex.ended is not None:
+                self._settle(ex, now)
 
     def _fault(self, fi: int, ending: bool, now: float) -> None:
         f = self.faults[fi]
@@ -383,6 +395,9 @@ class ClusterSim:
                 assert isinstance(a, ArmTimer)
                 self.push(a.at, TIMER, ex.tag)
             # Queue: the balancer holds it (its payload is the exchange) until _place_queued.
+
+    def _settle(self, ex: Exchange, now: float) -> None:
+        """Record the ending of an exchange that ended (once), and let go of it."""
         if ex.ended is not None:
             rid = ex.tag
             status = self.rec.status
@@ -398,7 +413,7 @@ class ClusterSim:
     def _send(self, ex: Exchange, a: Dispatch, now: float) -> None:
         copy = a.copy
         cid = len(self.copies)
-        ni = self.by_id[copy.node_id]
+        ni = self.by_id[copy.ticket.node.id]
         copy.io = cid
         self.copies.append(copy)
         self.copy_ex.append(ex)
@@ -413,7 +428,8 @@ class ClusterSim:
         elif ns.error_rate > 0.0 and self.fault_rng.random() < ns.error_rate:
             self.push(now + 2.0 * (self.half_rtt + ns.delay), FAIL, cid, 1)
         else:
-            self.push(now + self.half_rtt + ns.delay, SUBMIT, cid, ni)
+            heapq.heappush(self.heap, (now + self.half_rtt + ns.delay, next(self.seq), SUBMIT,
+                                       cid, ni))
         after = ex.sent(copy, now)  # the hedge's clock, if any
         if after:
             self._do(ex, after, now)
