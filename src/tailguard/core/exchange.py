@@ -76,9 +76,20 @@ from tailguard.core.retry_budget import RetryBudget, RetryConfig
 class Exchange:
     """The lifecycle of one request; see the module docstring."""
 
-    __slots__ = ("_pending_5xx", "_timer_at", "attempts", "balancer", "budget", "committed",
-                 "copies", "ended", "hedge_result", "hedged", "hedger", "request", "retries",
-                 "served", "t_arrival", "tag", "verdict", "waiter")
+    # No __slots__: the fields below that most requests never change are class
+    # defaults, so making an exchange sets six attributes, not nineteen (the
+    # simulator makes one per request).
+    t_arrival = 0.0
+    attempts = 0  # copies sent that were not the hedge
+    waiter: Waiter | None = None
+    committed: Copy | None = None
+    served = False  # a node answered it (2xx)
+    hedged = False
+    hedge_result: str | None = None  # won | lost | failed, once a hedge went out
+    verdict: tuple[str, int] | None = None  # (node | request | unknown, 5xx count)
+    ended: str | None = None  # ok | client_error | failed | shed | client_gone
+    _pending_5xx: list[str] | None = None  # nodes whose 5xx waits for a second opinion
+    _timer_at = 0.0
 
     def __init__(self, balancer: Balancer, request: Request, retries: RetryConfig,
                  budget: RetryBudget, hedger: Hedger | None = None, tag: Any = None) -> None:
@@ -88,18 +99,7 @@ class Exchange:
         self.budget = budget
         self.hedger = hedger if request.stream else None
         self.tag = tag  # the driver's own (the simulator's request id, the gateway's future)
-        self.t_arrival = 0.0
         self.copies: list[Copy] = []
-        self.attempts = 0  # copies sent that were not the hedge
-        self.waiter: Waiter | None = None
-        self.committed: Copy | None = None
-        self.served = False  # a node answered it (2xx)
-        self.hedged = False
-        self.hedge_result: str | None = None  # won | lost | failed, once a hedge went out
-        self.verdict: tuple[str, int] | None = None  # (node | request | unknown, 5xx count)
-        self.ended: str | None = None  # ok | client_error | failed | shed | client_gone
-        self._pending_5xx: list[str] | None = None  # nodes whose 5xx waits for a second opinion
-        self._timer_at = 0.0
 
     # -- events ---------------------------------------------------------------------
 
