@@ -235,14 +235,21 @@ def test_the_hedge_carries_the_priority(settled: list[Balancer]) -> None:
     assert seen == [0, 0] and hedge is not primary
 
 
-def test_queued_then_shed(settled: list[Balancer]) -> None:
+def one_slot_and_a_waiter(settled: list[Balancer], ttft_s: float = 30.0
+                          ) -> tuple[Balancer, Exchange, Copy, Exchange]:
+    """One node with a limit of one, held by ``holder``; ``waiting`` queued behind it."""
     b = balancer(1, limit=1, queue=True)
     settled.append(b)
     holder = exchange(b)
     first = dispatched(holder.arrive(0.0))
-    waiting = exchange(b, ttft_s=0.5)
+    waiting = exchange(b, ttft_s=ttft_s)
     q = only(waiting.arrive(0.0), Queue)
     assert isinstance(q, Queue) and q.waiter.payload is waiting
+    return b, holder, first, waiting
+
+
+def test_queued_then_shed(settled: list[Balancer]) -> None:
+    b, holder, first, waiting = one_slot_and_a_waiter(settled, ttft_s=0.5)
     decisions = pump(b, 1.0)  # past its deadline
     assert len(decisions) == 1 and decisions[0][0] is waiting
     refuse = only(decisions[0][1], Refuse)
@@ -253,12 +260,7 @@ def test_queued_then_shed(settled: list[Balancer]) -> None:
 
 
 def test_queued_then_placed_when_a_permit_frees(settled: list[Balancer]) -> None:
-    b = balancer(1, limit=1, queue=True)
-    settled.append(b)
-    holder = exchange(b)
-    first = dispatched(holder.arrive(0.0))
-    waiting = exchange(b, ttft_s=30.0)
-    only(waiting.arrive(0.0), Queue)
+    b, holder, first, waiting = one_slot_and_a_waiter(settled)
     holder.finished(first, 0.5, Outcome.OK, 1)
     (ex, actions), = pump(b, 0.5)
     assert ex is waiting
@@ -267,12 +269,7 @@ def test_queued_then_placed_when_a_permit_frees(settled: list[Balancer]) -> None
 
 
 def test_queued_then_the_client_leaves(settled: list[Balancer]) -> None:
-    b = balancer(1, limit=1, queue=True)
-    settled.append(b)
-    holder = exchange(b)
-    first = dispatched(holder.arrive(0.0))
-    waiting = exchange(b, ttft_s=30.0)
-    only(waiting.arrive(0.0), Queue)
+    b, holder, first, waiting = one_slot_and_a_waiter(settled)
     assert waiting.client_gone(0.2) == ()
     assert b.pools[MODEL].queue is not None and b.pools[MODEL].queue.length == 0
     holder.finished(first, 0.5, Outcome.OK, 1)
@@ -281,12 +278,7 @@ def test_queued_then_the_client_leaves(settled: list[Balancer]) -> None:
 
 def test_a_decision_for_an_exchange_that_ended_gives_the_permit_back(
         settled: list[Balancer]) -> None:
-    b = balancer(1, limit=1, queue=True)
-    settled.append(b)
-    holder = exchange(b)
-    first = dispatched(holder.arrive(0.0))
-    waiting = exchange(b, ttft_s=30.0)
-    only(waiting.arrive(0.0), Queue)
+    b, holder, first, waiting = one_slot_and_a_waiter(settled)
     holder.finished(first, 0.5, Outcome.OK, 1)
     (ex, actions), = pump(b, 0.5)
     assert ex is waiting

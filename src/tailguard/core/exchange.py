@@ -385,6 +385,6 @@ def pump(balancer: Balancer, now: float) -> list[tuple[Exchange, tuple[Action, .
     return out
 
 
-__all__ = ["COMMITTED", "ENDED", "NO_CAPACITY", "SENT", "Action", "ArmTimer", "Cancel", "Copy",
+__all__ = ["COMMITTED", "ENDED", "NO_CAPACITY", "RETRY_AFTER_S", "SENT", "Action", "ArmTimer", "Cancel", "Copy",
            "Dispatch", "Exchange", "Fail", "Failure", "Queue", "Refuse", "Request", "RetryConfig",
            "pump"]

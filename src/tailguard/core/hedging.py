@@ -228,6 +228,3 @@ class Hedgers:
         if h is None or h.config != config:
             h = self._by_pool[pool] = Hedger(config)
         return h
-
-    def drop(self, pool: str) -> None:
-        self._by_pool.pop(pool, None)

@@ -38,6 +38,7 @@ from multidict import CIMultiDict
 
 from tailguard.core.exchange import (
     NO_CAPACITY,
+    RETRY_AFTER_S,
     Action,
     ArmTimer,
     Cancel,
@@ -53,7 +54,7 @@ from tailguard.core.exchange import (
 from tailguard.core.fleet import Outcome
 from tailguard.gateway.admission_gate import AdmissionGate, shed_response, ttft_header
 from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_response, sse_error_event
-from tailguard.gateway.config import PoolSettings
+from tailguard.gateway.config import NodeConfig, PoolSettings
 from tailguard.gateway.idle import IdleTimeout
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import CLIENT_CLOSED, note
@@ -68,7 +69,6 @@ from tailguard.gateway.upstream import (
     UpstreamResponse,
 )
 
-RETRY_AFTER_S = "1"
 _RESPONSE_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "content-length", "date",
@@ -295,7 +295,7 @@ class Forwarder:
             t_first = time.monotonic()
             cancel_losers(race, ex.first_chunk(copy, t_first, served=status < 400,
                                          defer_prefill=True))
-            return await self._stream(ex, call, copy, resp, payload, t_first)
+            return await self._stream(ex, call, copy, node, resp, payload, t_first)
         finally:
             if ex.ended == "ok" or ex.ended == "client_error":
                 resp.release()  # read to the end: the connection is reusable
@@ -309,12 +309,12 @@ class Forwarder:
         ex.client_gone(time.monotonic(), counter.output_tokens())
         return out
 
-    async def _stream(self, ex: Exchange, call: Call, copy: Copy, resp: UpstreamResponse,
-                      first: bytes, t_first: float) -> web.StreamResponse:
+    async def _stream(self, ex: Exchange, call: Call, copy: Copy, node: NodeConfig,
+                      resp: UpstreamResponse, first: bytes,
+                      t_first: float) -> web.StreamResponse:
         """Pass a stream through, and tell the exchange how it ended."""
         request = call.request
         model = call.req.model
-        node = self.fleet.nodes[copy.node_id]
         loop = asyncio.get_running_loop()
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp, node.id))
         counter = SseCounter()
