@@ -235,10 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tailguard import demo
     from tailguard.bench import cli as bench_cli
     from tailguard.emulator import cli as emulator_cli
+    from tailguard.epp import cli as epp_cli
     from tailguard.gateway import cli as gateway_cli
     from tailguard.planner import cli as planner_cli
 
-    for mod in (gateway_cli, emulator_cli, bench_cli, demo, planner_cli):
+    for mod in (gateway_cli, epp_cli, emulator_cli, bench_cli, demo, planner_cli):
         mod.add_parser(sub)
 
     p = sub.add_parser("replay", help="replay a `serve --record` file into a fresh balancer "

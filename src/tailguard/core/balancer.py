@@ -333,7 +333,46 @@ class Balancer:
                            "ticket": self._ticket_seq if node_id is not None else None})
         if node_id is None:
             return None
-        node = self.nodes[node_id]
+        return self._issue(self.nodes[node_id], pool, prompt_tokens, now)
+
+    def rank(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None = None,
+             priority: int = 1, exclude: Sequence[str] = (), n: int = 1) -> list[str]:
+        """The nodes :meth:`pick` would choose now, best first, up to ``n``, taking no
+        permit: an ordered fallback list (the endpoint picker hands it to the data
+        plane, whose retries walk it; :meth:`take` then accounts for the one used)."""
+        pool = self.pools.get(model)
+        out: list[str] = []
+        if pool is not None and n > 0:
+            nodes = [x for x in pool.eligible() if x.id not in exclude and not (
+                pool.limited and x.limiter is not None and not x.limiter.has_room())]
+            req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output,
+                              pool.mean_prompt, priority)
+            while nodes and len(out) < n:
+                node_id = pool.policy.choose(nodes, req, now, self.rng)
+                if node_id is None:
+                    break
+                out.append(node_id)
+                nodes = [x for x in nodes if x.id != node_id]
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "rank", "model": model, "prompt_tokens": prompt_tokens,
+                           "max_tokens": max_tokens, "priority": priority,
+                           "exclude": list(exclude), "n": n, "nodes": out})
+        return out
+
+    def take(self, model: str, node_id: str, prompt_tokens: int, now: float) -> Ticket | None:
+        """A permit on ``node_id`` whatever its load or limit, because the request is
+        there already (the data plane fell back to it); None for a node not known."""
+        pool = self.pools.get(model)
+        node = self.nodes.get(node_id)
+        if pool is None or node is None:
+            return None
+        self._ticket_seq += 1
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "take", "model": model, "node": node_id,
+                           "prompt_tokens": prompt_tokens, "ticket": self._ticket_seq})
+        return self._issue(node, pool, prompt_tokens, now)
+
+    def _issue(self, node: Node, pool: Pool, prompt_tokens: int, now: float) -> Ticket:
         ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq)
         node.in_flight += 1
         node.prefilling += 1

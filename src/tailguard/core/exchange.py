@@ -114,7 +114,7 @@ class Exchange:
         pool = b.pools.get(r.model)
         got: Ticket | Waiter | Shed | None
         if pool is not None and pool.limited:
-            got = b.admit(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
+            got = b.admit(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude,
                           ttft_s=r.ttft_s, size_bytes=r.size_bytes, payload=self)
             if isinstance(got, Waiter):
                 self.waiter = got
@@ -122,7 +122,7 @@ class Exchange:
             if isinstance(got, Shed):
                 return self._refuse(got)
         else:
-            got = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority)
+            got = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude)
         if got is None:
             return self._no_capacity()
         return (self._dispatch(got, now, None, False),)
@@ -169,7 +169,7 @@ class Exchange:
             return NONE
         r = self.request
         ticket = self.balancer.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                                    self.tried)  # a node not tried yet
+                                    self._avoid())  # a node not tried yet
         if ticket is None:
             h.refund()
             return NONE
@@ -190,8 +190,11 @@ class Exchange:
         return self._commit(copy, now, served, True, defer_prefill)
 
     def failed(self, copy: Copy, now: float, failure: Failure, output_tokens: int = 0,
-               cached_tokens: int | None = None) -> tuple[Action, ...]:
-        """``copy`` failed: before its first chunk, retry or fail; after it, fail."""
+               cached_tokens: int | None = None, *, final: bool = False) -> tuple[Action, ...]:
+        """``copy`` failed: before its first chunk, retry or fail; after it, fail.
+
+        ``final``: no retry whatever is left (the endpoint picker learns of a
+        failure only once the data plane has run out of fallbacks)."""
         if copy.state == ENDED or self.ended is not None:
             return NONE
         b = self.balancer
@@ -200,22 +203,44 @@ class Exchange:
             b.on_finish(copy.ticket, now, failure.origin, output_tokens, judged=failure.judged,
                         timed=False, cached_tokens=cached_tokens)
             return self._fail(failure, copy.node_id, True)
-        copy.state = ENDED
-        b.on_finish(copy.ticket, now, failure.origin, 0, judged=failure.judged)
-        if not failure.judged:
-            if self._pending_5xx is None:
-                self._pending_5xx = []
-            self._pending_5xx.append(copy.node_id)
-        if copy.hedge:
-            self.hedge_result = "failed"
+        self._drop(copy, now, failure)
         if self._live() is not None:
             return NONE  # the other copy races on
         r = self.request
-        if self.attempts < self.retries.attempts and self.budget.try_spend(now):
-            ticket = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, self.tried)
+        if not final and self.attempts < self.retries.attempts and self.budget.try_spend(now):
+            ticket = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
+                            self._avoid())
             if ticket is not None:
                 return (self._dispatch(ticket, now, failure.origin, False),)
         return self._fail(failure, copy.node_id, False)
+
+    def fallbacks(self, now: float) -> list[str]:
+        """Where a retry would go now, in order, taking no permit: the nodes not
+        tried yet, as many as ``RetryConfig.attempts`` leaves, none when the retry
+        budget has nothing to spend. An endpoint picker's fallback list."""
+        r = self.request
+        n = self.retries.attempts - self.attempts
+        if n <= 0 or not self.budget.can_spend(now):
+            return []
+        return self.balancer.rank(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
+                                  self._avoid(), n)
+
+    def redirected(self, copy: Copy, node_id: str, now: float,
+                   failure: Failure) -> tuple[Action, ...]:
+        """The data plane gave up on ``copy`` before its first byte and sent the
+        request to ``node_id`` itself (a fallback of :meth:`fallbacks`): ``copy``
+        failed with ``failure``, and a retry copy on ``node_id`` holds a permit
+        there whatever its load (the request is there already). Its
+        :class:`Dispatch` is the driver's to note, not to send. An unknown
+        ``node_id`` ends the exchange: no node of the fleet serves it."""
+        if copy.state != SENT or self.ended is not None:
+            return NONE
+        self._drop(copy, now, failure)
+        self.budget.try_spend(now)  # it happened anyway: the budget learns of it
+        ticket = self.balancer.take(self.request.model, node_id, self.request.prompt_tokens, now)
+        if ticket is None:
+            return self._fail(failure, copy.node_id, False)
+        return (self._dispatch(ticket, now, failure.origin, False),)
 
     def finished(self, copy: Copy, now: float, outcome: Outcome, output_tokens: int, *,
                  timed: bool = True, cached_tokens: int | None = None) -> tuple[Action, ...]:
@@ -272,6 +297,11 @@ class Exchange:
 
     # -- inside ---------------------------------------------------------------------
 
+    def _avoid(self) -> list[str]:
+        """Where a retry or the hedge must not go: the nodes tried, and those excluded."""
+        tried = [c.ticket.node.id for c in self.copies]
+        return [*self.request.exclude, *tried] if self.request.exclude else tried
+
     def _dispatch(self, ticket: Ticket, now: float, retry_of: Outcome | None,
                   hedge: bool) -> Dispatch:
         c = Copy(ticket, hedge)
@@ -281,6 +311,17 @@ class Exchange:
         if not self.request.stream:  # no first token to see: the core presumes one
             self.balancer.expect_no_first_token(ticket, now)
         return Dispatch(c, retry_of)
+
+    def _drop(self, copy: Copy, now: float, failure: Failure) -> None:
+        """An uncommitted copy failed: its permit back, its 5xx kept for a verdict."""
+        copy.state = ENDED
+        self.balancer.on_finish(copy.ticket, now, failure.origin, 0, judged=failure.judged)
+        if not failure.judged:
+            if self._pending_5xx is None:
+                self._pending_5xx = []
+            self._pending_5xx.append(copy.node_id)
+        if copy.hedge:
+            self.hedge_result = "failed"
 
     def _live(self) -> Copy | None:
         for c in self.copies:

@@ -30,6 +30,7 @@ class Request(NamedTuple):
     stream: bool = True  # only streamed requests are hedged (nothing reaches the client early)
     ttft_s: float | None = None  # the client's own TTFT budget, for the queue's deadline
     size_bytes: int = 0  # the body's size, for the queue's byte cap
+    exclude: tuple[str, ...] = ()  # nodes it must not go to (outside a data plane's subset)
 
 
 @dataclass(frozen=True, slots=True)

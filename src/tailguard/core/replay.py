@@ -86,6 +86,18 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
                                         "recorded": rec["node"], "replayed": got})
             if ticket is not None and rec.get("ticket") is not None:
                 tickets[rec["ticket"]] = ticket
+        elif op == "rank":
+            ranked = balancer.rank(rec["model"], rec["prompt_tokens"], rec["t"],
+                                   rec.get("max_tokens"), rec.get("priority", 1),
+                                   tuple(rec.get("exclude", ())), rec.get("n", 1))
+            out.decisions += 1
+            if ranked != rec["nodes"]:
+                out.differences.append({"record": i, "op": "rank", "t": rec["t"],
+                                        "recorded": rec["nodes"], "replayed": ranked})
+        elif op == "take":
+            taken = balancer.take(rec["model"], rec["node"], rec["prompt_tokens"], rec["t"])
+            if taken is not None:
+                tickets[rec["ticket"]] = taken
         elif op == "admit":
             admitted = balancer.admit(rec["model"], rec["prompt_tokens"], rec["t"],
                                  rec.get("max_tokens"), rec.get("priority", 1),

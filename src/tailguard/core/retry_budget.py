@@ -53,6 +53,15 @@ class RetryBudget:
         b = self.balance + self.ratio
         self.balance = b if b < self.cap else self.cap
 
+    def can_spend(self, now: float) -> bool:
+        """Whether :meth:`try_spend` would allow a retry now (spends nothing)."""
+        if self.balance >= _ONE:
+            return True
+        r = self.reserve
+        if self._t is not None and self.min_per_s > 0.0:
+            r = min(r + (now - self._t) * self.min_per_s, self.min_per_s)
+        return r >= _ONE
+
     def try_spend(self, now: float) -> bool:
         """Whether one retry may go now; spends it if so."""
         if self._t is not None and self.min_per_s > 0.0:

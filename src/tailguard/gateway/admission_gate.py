@@ -93,7 +93,11 @@ def shed_response(shed: Shed, model: str) -> web.Response:
 
 def ttft_header(request: web.Request) -> float | None:
     """The client's TTFT budget (``x-slo-ttft-ms``), in seconds."""
-    raw = request.headers.get(TTFT_HEADER)
+    return ttft_budget(request.headers.get(TTFT_HEADER))
+
+
+def ttft_budget(raw: str | None) -> float | None:
+    """An ``x-slo-ttft-ms`` value in seconds (None: absent, or not a positive number)."""
     if raw is None:
         return None
     try:

@@ -149,6 +149,12 @@ class NodeConfig:
         return URL(self.url).port or 80
 
     @property
+    def endpoint(self) -> str:
+        """``host:port`` (IPv6 in brackets): how an endpoint picker names the node."""
+        host = self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
     def gpu_class(self) -> str:
         return self.gpu_spec.name if self.gpu_spec else self.gpu
 

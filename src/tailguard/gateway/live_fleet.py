@@ -84,6 +84,7 @@ class LiveFleet:
         self._session: aiohttp.ClientSession | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._models: list[str] | None = None
+        self._endpoints: dict[str, str] | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -152,6 +153,12 @@ class LiveFleet:
             self._models = list(seen)
         return self._models
 
+    def endpoints(self) -> dict[str, str]:
+        """Node id by ``host:port`` (:attr:`NodeConfig.endpoint`), for the endpoint picker."""
+        if self._endpoints is None:
+            self._endpoints = {n.endpoint: n.id for n in self.nodes.values()}
+        return self._endpoints
+
     def serves(self, model: str) -> bool:
         pool = self.balancer.pools.get(model)
         return pool is not None and bool(pool.nodes)
@@ -171,6 +178,7 @@ class LiveFleet:
         if dynamic:
             self.dynamic.add(node.id)
         self._models = None
+        self._endpoints = None
         self._start_monitor(node)
         log.info("node %s added (%s, %s, models %s)", node.id, node.url, node.gpu_class,
                  ", ".join(node.models))
@@ -204,6 +212,7 @@ class LiveFleet:
         self.nodes.pop(node_id, None)
         self.dynamic.discard(node_id)
         self._models = None
+        self._endpoints = None
         await self._stop_monitor(node_id)
         log.info("node %s removed", node_id)
 
@@ -228,6 +237,7 @@ class LiveFleet:
                 self._budgets.pop(name, None)
                 summary.pools.append(name)
         self.config = new
+        self._endpoints = None
         if self.balancer.outliers is not None:  # thresholds apply from the next tick
             self.balancer.outliers.config = new.outliers
         file_ids = {n.id for n in old.nodes} - self.dynamic

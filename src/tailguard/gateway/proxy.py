@@ -205,7 +205,11 @@ class Proxy:
 
 def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
     """``Authorization: Bearer <key>`` with one of ``keys``, compared in constant time."""
-    header = request.headers.get("Authorization", "")
+    return bearer_ok(request.headers.get("Authorization", ""), keys)
+
+
+def bearer_ok(header: str, keys: tuple[str, ...]) -> bool:
+    """An ``Authorization`` value ``Bearer <key>`` with one of ``keys`` (constant time)."""
     if not header.startswith("Bearer "):
         return False
     given = header[7:].strip().encode()
@@ -228,10 +232,14 @@ async def _read_limited(request: web.Request, limit: int) -> bytes | None:
 
 
 def _priority(request: web.Request) -> int:
-    raw = request.headers.get(PRIORITY_HEADER)
+    return priority_of(request.headers.get(PRIORITY_HEADER))
+
+
+def priority_of(raw: str | None) -> int:
+    """An ``x-tailguard-priority`` value: 0 (``high``), 2 (``low``), else 1."""
     if raw is None:
         return 1
     return {"0": 0, "high": 0, "2": 2, "low": 2}.get(raw.strip().lower(), 1)
 
 
-__all__ = ["Proxy", "authorized"]
+__all__ = ["PRIORITY_HEADER", "Proxy", "authorized", "bearer_ok", "priority_of"]

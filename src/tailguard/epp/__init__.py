@@ -1,0 +1,1 @@
+"""The endpoint picker: tailguard behind Envoy (``tailguard epp``); needs the ``epp`` extra."""

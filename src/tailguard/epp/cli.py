@@ -1,0 +1,89 @@
+"""``tailguard epp`` (the endpoint picker) and ``tailguard envoy-config`` (an Envoy in front).
+
+    tailguard epp --config fleet.yaml --grpc-port 9002 --grpc-health-port 9003
+    tailguard envoy-config --config fleet.yaml --picker 127.0.0.1:9002 > envoy.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tailguard.errors import ConfigError
+
+
+def _objectives(pairs: list[str]) -> dict[str, int]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or value.strip() not in ("0", "1", "2"):
+            raise ConfigError(f"--objective {pair!r}: expected NAME=PRIORITY, PRIORITY 0 (high), "
+                              "1 or 2 (low)")
+        out[name.strip()] = int(value)
+    return out
+
+
+def cmd_epp(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tailguard.epp.server import serve_epp
+    from tailguard.gateway.config import load_fleet, parse_listen
+    from tailguard.gateway.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+    config = load_fleet(args.config)
+    http_host, http_port = config.listen
+    if args.listen:
+        http_host, http_port = parse_listen(args.listen, "--listen")
+    objectives = _objectives(args.objective or [])
+    asyncio.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
+                          http_host, http_port, objectives))
+    return 0
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from tailguard.epp.envoy_config import envoy_yaml
+    from tailguard.gateway.config import load_fleet
+
+    config = load_fleet(args.config)
+    sys.stdout.write(envoy_yaml(config, port=args.port, admin_port=args.admin_port,
+                                picker=args.picker, failure_mode_allow=args.failure_mode_allow,
+                                retries=args.retries, host=args.host))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("epp", help="run as the endpoint picker behind Envoy (ext_proc, GIE)",
+                       description="Serve Envoy's ext_proc protocol as a Gateway API Inference "
+                                   "Extension endpoint picker: tailguard chooses the node, "
+                                   "Envoy relays the bytes.")
+    p.add_argument("--config", "-c", required=True, help="the fleet file (YAML)")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc port (default 9002)")
+    p.add_argument("--grpc-health-port", type=int, default=9003,
+                   help="gRPC health port (default 9003)")
+    p.add_argument("--grpc-host", default="0.0.0.0", help="address of both gRPC ports")
+    p.add_argument("--listen", help="HOST:PORT of metrics, admin and dashboard (default: the "
+                                    "file's listen)")
+    p.add_argument("--objective", action="append", metavar="NAME=PRIORITY",
+                   help="priority of an x-gateway-inference-objective name (repeatable); "
+                        "critical, standard and sheddable are known")
+    p.add_argument("--log-level", default=os.environ.get("TAILGUARD_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default=os.environ.get("TAILGUARD_LOG_FORMAT", "text"),
+                   choices=["text", "json"])
+    p.set_defaults(func=cmd_epp)
+
+    p = sub.add_parser("envoy-config", help="print an Envoy bootstrap for a fleet",
+                       description="An Envoy bootstrap routing to the fleet's nodes: with "
+                                   "--picker, through tailguard as endpoint picker; without, "
+                                   "Envoy's least-request alone.")
+    p.add_argument("--config", "-c", required=True, help="the fleet file (YAML)")
+    p.add_argument("--picker", metavar="HOST:PORT", help="the endpoint picker's ext_proc address")
+    p.add_argument("--port", type=int, default=10000, help="Envoy's listener (default 10000)")
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy's admin (default 9901)")
+    p.add_argument("--host", default="0.0.0.0", help="address of both")
+    p.add_argument("--retries", type=int, default=2, help="fallbacks Envoy walks (default 2)")
+    p.add_argument("--failure-mode-allow", action="store_true",
+                   help="with the picker down, route by least request instead of failing")
+    p.set_defaults(func=cmd_envoy_config)

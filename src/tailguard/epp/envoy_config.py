@@ -1,0 +1,151 @@
+"""An Envoy bootstrap in front of a fleet, with or without tailguard as its endpoint picker.
+
+``tailguard envoy-config --config fleet.yaml`` prints it; the tests and
+``benchmarks/epp.py`` run a real Envoy on it; ``deploy/envoy/`` ships one
+with the explanation. Two shapes:
+
+* ``picker=None``: Envoy alone, ``LEAST_REQUEST`` over the fleet's nodes
+  (the baseline the endpoint picker must beat);
+* ``picker="host:port"``: the ``ext_proc`` HTTP filter calls tailguard for
+  every request (request headers and a full-duplex streamed body; response
+  headers and a streamed body, each chunk answered at once). The cluster
+  routes with the ``override_host`` load-balancing policy, which reads the
+  picker's ``x-gateway-destination-endpoint`` (dynamic metadata
+  ``envoy.lb``, or the header) and, on each retry, takes the next endpoint
+  of its list. The route adds ``x-gateway-destination-endpoint-served``
+  (the address Envoy dialled) to the response headers the picker sees.
+
+Why not an ``ORIGINAL_DST`` cluster (``use_http_header``)? It routes on one
+address only: its retries can only go back to the same endpoint, so the
+picker's fallback list would be lost. ``override_host`` walks it, as
+Istio's and Envoy Gateway's InferencePool support do; its cluster lists the
+pool's endpoints (on Kubernetes: from the InferencePool, via EDS).
+
+Envoy's ``failure_mode_allow``: with the picker down, true lets requests
+through to the fallback policy (least request over the same endpoints);
+false answers them with ``status_on_error`` (503).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from tailguard.gateway.config import FleetConfig
+
+HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+OVERRIDE_HOST = ("type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
+                 ".OverrideHost")
+LEAST_REQUEST = ("type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3"
+                 ".LeastRequest")
+HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _endpoints(hosts: list[tuple[str, int]]) -> dict[str, Any]:
+    return {"endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}}
+                                            for h, p in hosts]}]}
+
+
+def _least_request() -> dict[str, Any]:
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.least_request",
+        "typed_config": {"@type": LEAST_REQUEST}}}]}
+
+
+def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int = 9901,
+                    picker: str | None = None, failure_mode_allow: bool = False,
+                    retries: int = 2, host: str = "127.0.0.1",
+                    message_timeout_s: float = 30.0) -> dict[str, Any]:
+    """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
+    the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
+    bounds one picker reply, and so how long a request may wait in tailguard's queue."""
+    nodes = [(n.host, n.port) for n in config.nodes]
+    route: dict[str, Any] = {
+        "cluster": "engines",
+        "timeout": "0s",  # streams run as long as they stream; tailguard's idle rules stay
+        "retry_policy": {
+            "retry_on": "connect-failure,refused-stream,reset-before-request,5xx,"
+                        "retriable-status-codes",
+            "retriable_status_codes": [429],
+            "num_retries": retries,
+            "per_try_timeout": "0s",
+        },
+    }
+    vhost: dict[str, Any] = {"name": "inference", "domains": ["*"],
+                             "routes": [{"match": {"prefix": "/"}, "route": route}],
+                             "include_attempt_count_in_response": True}
+    filters: list[dict[str, Any]] = []
+    cluster: dict[str, Any] = {
+        "name": "engines", "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "engines", **_endpoints(nodes)},
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": HTTP_OPTIONS, "explicit_http_config": {"http_protocol_options": {}},
+            "common_http_protocol_options": {"idle_timeout": "4s"}}},
+    }
+    clusters = [cluster]
+    if picker is None:
+        cluster["load_balancing_policy"] = _least_request()
+    else:
+        epp_host, _, epp_port = picker.rpartition(":")
+        vhost["response_headers_to_add"] = [
+            {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
+        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": OVERRIDE_HOST,
+                "override_host_sources": [
+                    {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                    {"header": DESTINATION}],
+                "fallback_policy": _least_request()}}}]}
+        filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
+            "@type": EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"},
+            "failure_mode_allow": failure_mode_allow,
+            "status_on_error": {"code": 503},
+            "message_timeout": f"{message_timeout_s:g}s",
+            "max_message_timeout": f"{message_timeout_s:g}s",
+            "processing_mode": {
+                "request_header_mode": "SEND", "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+                "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
+            "metadata_options": {"forwarding_namespaces": {
+                "untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
+        }})
+        clusters.append({
+            "name": "epp", "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": "epp",
+                                **_endpoints([(epp_host, int(epp_port))])},
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}},
+        })
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
+    hcm = {"@type": HCM, "stat_prefix": "inference", "codec_type": "AUTO",
+           "stream_idle_timeout": "300s",
+           "route_config": {"name": "inference", "virtual_hosts": [vhost]},
+           "http_filters": filters}
+    return {
+        "admin": {"address": _address(host, admin_port)},
+        "static_resources": {
+            "listeners": [{"name": "inference", "address": _address(host, port),
+                           "filter_chains": [{"filters": [{
+                               "name": "envoy.filters.network.http_connection_manager",
+                               "typed_config": hcm}]}]}],
+            "clusters": clusters,
+        },
+    }
+
+
+def envoy_yaml(config: FleetConfig, **kwargs: Any) -> str:
+    return yaml.safe_dump(envoy_bootstrap(config, **kwargs), sort_keys=False)
+
+
+__all__ = ["envoy_bootstrap", "envoy_yaml"]
