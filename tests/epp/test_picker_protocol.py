@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -34,6 +34,7 @@ from epp_harness import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tailguard.core.exchange import Exchange
+from tailguard.core.fleet import NodeState
 
 CHAT = json.dumps({"model": MODEL, "messages": MSG, "max_tokens": 4, "stream": True}).encode()
 PLAIN = json.dumps({"model": MODEL, "messages": MSG, "max_tokens": 4}).encode()
@@ -301,7 +302,7 @@ def test_a_stream_reset_mid_answer_releases_the_permit() -> None:
 
 
 class Traced(Exchange):
-    seen: list[Any] = []
+    seen: ClassVar[list[Any]] = []
 
     def arrive(self, now: float) -> Any:
         Traced.seen.append(self.request)
@@ -328,30 +329,24 @@ def test_priority_from_the_objective_header_or_tailguards_own() -> None:
 
 
 def test_health_service_names() -> None:
+    async def status(stub: Any, name: str) -> int:
+        got = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+        return int(got.status)
+
     async def body_() -> None:
-        async with emulated(["A100"]) as (_, cfg), picker(cfg) as epp:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.health_port}") as ch:
-                stub = health_pb2_grpc.HealthStub(ch)
-                for name in ("liveness", "readiness",
-                             "envoy.service.ext_proc.v3.ExternalProcessor"):
-                    got = await stub.Check(health_pb2.HealthCheckRequest(service=name))
-                    assert got.status == health_pb2.HealthCheckResponse.SERVING, name
-                epp.gateway.fleet.set_state("n0", _drained())
-                async def not_ready() -> bool:
-                    got = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
-                    return bool(got.status == health_pb2.HealthCheckResponse.NOT_SERVING)
-                for _ in range(50):
-                    if await not_ready():
-                        break
-                    await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError("readiness stayed SERVING with no routable node")
-                live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
-                assert live.status == health_pb2.HealthCheckResponse.SERVING
+        async with emulated(["A100"]) as (_, cfg), picker(cfg) as epp, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{epp.health_port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                assert await status(stub, name) == serving, name
+            epp.gateway.fleet.set_state("n0", NodeState.DRAINING)  # no routable node left
+            for _ in range(50):
+                if await status(stub, "readiness") == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("readiness stayed SERVING with no routable node")
+            assert await status(stub, "liveness") == serving
 
     run(body_)
-
-
-def _drained() -> Any:
-    from tailguard.core.fleet import NodeState
-    return NodeState.DRAINING

@@ -18,8 +18,8 @@ def _objectives(pairs: list[str]) -> dict[str, int]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or value.strip() not in ("0", "1", "2"):
-            raise ConfigError(f"--objective {pair!r}: expected NAME=PRIORITY, PRIORITY 0 (high), "
-                              "1 or 2 (low)")
+            raise ConfigError("--objective", f"{pair!r}: expected NAME=PRIORITY, PRIORITY 0 "
+                                             "(high), 1 or 2 (low)")
         out[name.strip()] = int(value)
     return out
 
