@@ -23,7 +23,11 @@ pool's endpoints (on Kubernetes: from the InferencePool, via EDS).
 
 Envoy's ``failure_mode_allow``: with the picker down, true lets requests
 through to the fallback policy (least request over the same endpoints);
-false answers them with ``status_on_error`` (503).
+false answers them with ``status_on_error`` (503). Envoy cannot let a
+request through once its body has streamed to a picker that failed (it
+keeps no copy), so with ``failure_mode_allow`` the request body is sent
+``BUFFERED`` (Envoy holds it, up to the fleet's ``max_body_bytes``; the
+routing rides on the body's reply) rather than ``FULL_DUPLEX_STREAMED``.
 """
 
 from __future__ import annotations
@@ -115,7 +119,9 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
             "max_message_timeout": f"{message_timeout_s:g}s",
             "processing_mode": {
                 "request_header_mode": "SEND", "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+                "request_body_mode": "BUFFERED" if failure_mode_allow
+                                     else "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SKIP" if failure_mode_allow else "SEND",
                 "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
             "metadata_options": {"forwarding_namespaces": {
                 "untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
@@ -136,6 +142,8 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
         "admin": {"address": _address(host, admin_port)},
         "static_resources": {
             "listeners": [{"name": "inference", "address": _address(host, port),
+                           # room for a buffered body as large as the fleet accepts
+                           "per_connection_buffer_limit_bytes": config.max_body_bytes + 65536,
                            "filter_chains": [{"filters": [{
                                "name": "envoy.filters.network.http_connection_manager",
                                "typed_config": hcm}]}]}],
