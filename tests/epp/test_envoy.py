@@ -105,6 +105,7 @@ def test_crash_before_the_first_byte_falls_back_down_the_list() -> None:
                 # at 5/s: requests 0.2 s apart never exhaust it).
                 for _ in range(9):
                     text, usage = await stream_text(c, 4)
+                    assert text
                     assert usage == 4
                     await asyncio.sleep(0.2)
             finally:
