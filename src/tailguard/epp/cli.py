@@ -37,8 +37,12 @@ def cmd_epp(args: argparse.Namespace) -> int:
     if args.listen:
         http_host, http_port = parse_listen(args.listen, "--listen")
     objectives = _objectives(args.objective or [])
-    asyncio.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
-                          http_host, http_port, objectives))
+    loop_factory = None
+    if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0":
+        from tailguard.gateway.server import _loop_factory as loop_factory
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
+                             http_host, http_port, objectives))
     return 0
 
 
