@@ -61,10 +61,13 @@ def metric(epp: RunningPicker, name: str, labels: dict[str, str]) -> float:
     return epp.gateway.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_streamed_and_plain_answers_and_envoys_counts_agree() -> None:
+@pytest.mark.parametrize("observer", [True, False], ids=["observer", "one-filter"])
+def test_streamed_and_plain_answers_and_envoys_counts_agree(observer: bool) -> None:
+    """Both shapes: the response seen by an observer filter (Envoy waits for nothing),
+    or by the picker's own filter (each response message waits for its reply)."""
     async def body() -> None:
         async with emulated(["H100", "A100", "L4"]) as (_, cfg), picker(cfg) as epp, \
-                envoy(cfg, f"127.0.0.1:{epp.grpc_port}") as ev:
+                envoy(cfg, f"127.0.0.1:{epp.grpc_port}", observer=observer) as ev:
             c = client(ev.url)
             try:
                 raw = await c.chat.completions.with_raw_response.create(
@@ -122,10 +125,11 @@ def test_crash_before_the_first_byte_falls_back_down_the_list() -> None:
     run(body)
 
 
-def test_crash_mid_stream_ends_the_stream_and_releases_the_permit() -> None:
+@pytest.mark.parametrize("observer", [True, False], ids=["observer", "one-filter"])
+def test_crash_mid_stream_ends_the_stream_and_releases_the_permit(observer: bool) -> None:
     async def body() -> None:
         async with emulated(["A100"], speed=1.0) as (emu, cfg), picker(cfg) as epp, \
-                envoy(cfg, f"127.0.0.1:{epp.grpc_port}") as ev:
+                envoy(cfg, f"127.0.0.1:{epp.grpc_port}", observer=observer) as ev:
             c = client(ev.url)
             got = 0
             try:

@@ -37,9 +37,10 @@ def cmd_epp(args: argparse.Namespace) -> int:
     if args.listen:
         http_host, http_port = parse_listen(args.listen, "--listen")
     objectives = _objectives(args.objective or [])
-    loop_factory = None
-    if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0":
-        from tailguard.gateway.server import _loop_factory as loop_factory
+    from tailguard.gateway.server import _loop_factory
+
+    # TAILGUARD_EPP_UVLOOP=0: asyncio's own loop (gRPC's asyncio support is tested on it).
+    loop_factory = _loop_factory if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0" else None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
                              http_host, http_port, objectives))

@@ -7,13 +7,19 @@ with the explanation. Two shapes:
 * ``picker=None``: Envoy alone, ``LEAST_REQUEST`` over the fleet's nodes
   (the baseline the endpoint picker must beat);
 * ``picker="host:port"``: the ``ext_proc`` HTTP filter calls tailguard for
-  every request (request headers and a full-duplex streamed body; response
-  headers and a streamed body, each chunk answered at once). The cluster
+  every request (request headers and a full-duplex streamed body). With
+  ``observer`` (the default) a second ``ext_proc`` filter in observability
+  mode sends tailguard the request headers and the response (headers and a
+  streamed body) without waiting for replies, so the response reaches the
+  client at Envoy's own pace; without it the picker's filter takes the
+  response too (each message waits for its reply). The cluster
   routes with the ``override_host`` load-balancing policy, which reads the
   picker's ``x-gateway-destination-endpoint`` (dynamic metadata
   ``envoy.lb``, or the header) and, on each retry, takes the next endpoint
-  of its list. The route adds ``x-gateway-destination-endpoint-served``
-  (the address Envoy dialled) to the response headers the picker sees.
+  of its list. The route adds ``x-tailguard-node`` (the node id, from the
+  endpoint's metadata) to the response, and without the observer
+  ``x-gateway-destination-endpoint-served`` (the address Envoy dialled),
+  which the picker strips again.
 
 Why not an ``ORIGINAL_DST`` cluster (``use_http_header``)? It routes on one
 address only: its retries can only go back to the same endpoint, so the
@@ -54,9 +60,12 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _endpoints(hosts: list[tuple[str, int]]) -> dict[str, Any]:
-    return {"endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}}
-                                            for h, p in hosts]}]}
+def _endpoints(hosts: list[tuple[str, int]], names: list[str] | None = None) -> dict[str, Any]:
+    """A load assignment; ``names``: each endpoint's tailguard node id, as its metadata."""
+    eps: list[dict[str, Any]] = [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]
+    for ep, name in zip(eps, names or (), strict=False):
+        ep["metadata"] = {"filter_metadata": {"tailguard": {"node": name}}}
+    return {"endpoints": [{"lb_endpoints": eps}]}
 
 
 def _least_request() -> dict[str, Any]:
@@ -68,7 +77,7 @@ def _least_request() -> dict[str, Any]:
 def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int = 9901,
                     picker: str | None = None, failure_mode_allow: bool = False,
                     retries: int = 2, host: str = "127.0.0.1",
-                    message_timeout_s: float = 30.0) -> dict[str, Any]:
+                    message_timeout_s: float = 30.0, observer: bool = True) -> dict[str, Any]:
     """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
     the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
     bounds one picker reply, and so how long a request may wait in tailguard's queue."""
@@ -90,7 +99,8 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
     filters: list[dict[str, Any]] = []
     cluster: dict[str, Any] = {
         "name": "engines", "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": "engines", **_endpoints(nodes)},
+        "load_assignment": {"cluster_name": "engines",
+                            **_endpoints(nodes, [n.id for n in config.nodes])},
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": HTTP_OPTIONS, "explicit_http_config": {"http_protocol_options": {}},
             "common_http_protocol_options": {"idle_timeout": "4s"}}},
@@ -100,8 +110,13 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
         cluster["load_balancing_policy"] = _least_request()
     else:
         epp_host, _, epp_port = picker.rpartition(":")
+        # Which node served it: its id from the endpoint's metadata (as tailguard
+        # serve's answers say), and, where the picker can strip it again, its address.
         vhost["response_headers_to_add"] = [
-            {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
+            {"header": {"key": "x-tailguard-node", "value": "%UPSTREAM_METADATA(tailguard:node)%"}}]
+        if not observer:
+            vhost["response_headers_to_add"].append(
+                {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}})
         cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",
             "typed_config": {
@@ -110,21 +125,34 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
                     {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
                     {"header": DESTINATION}],
                 "fallback_policy": _least_request()}}}]}
+        grpc_service = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"}
+        response = {"response_header_mode": "SEND", "response_body_mode": "STREAMED",
+                    "response_trailer_mode": "SKIP"}
+        skip = {"response_header_mode": "SKIP", "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP"}
+        if observer:
+            # The response in observability mode: Envoy sends it without waiting.
+            filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
+                "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
+                "failure_mode_allow": True, "deferred_close_timeout": "1s",
+                "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                                    "request_trailer_mode": "SKIP", **response}}})
         filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": EXT_PROC,
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"},
+            "grpc_service": grpc_service,
             "failure_mode_allow": failure_mode_allow,
             "status_on_error": {"code": 503},
             "message_timeout": f"{message_timeout_s:g}s",
             "max_message_timeout": f"{message_timeout_s:g}s",
             "processing_mode": {
-                "request_header_mode": "SEND", "response_header_mode": "SEND",
+                "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED" if failure_mode_allow
                                      else "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SKIP" if failure_mode_allow else "SEND",
-                "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
-            "metadata_options": {"forwarding_namespaces": {
-                "untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
+                **(skip if observer else response)},
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+                "receiving_namespaces": {"untyped": ["envoy.lb"]}},
         }})
         clusters.append({
             "name": "epp", "type": "STATIC", "connect_timeout": "1s",
@@ -136,6 +164,13 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
     hcm = {"@type": HCM, "stat_prefix": "inference", "codec_type": "AUTO",
            "stream_idle_timeout": "300s",
+           # Envoy's own failures (no upstream, a reset, an overflow: a response flag
+           # is set) in OpenAI's error shape; the picker's answers are left as they are.
+           "local_reply_config": {"mappers": [{
+               "filter": {"response_flag_filter": {}},
+               "body_format_override": {"json_format": {"error": {
+                   "message": "%LOCAL_REPLY_BODY%", "type": "server_error",
+                   "param": None, "code": "%RESPONSE_CODE_DETAILS%"}}}}]},
            "route_config": {"name": "inference", "virtual_hosts": [vhost]},
            "http_filters": filters}
     return {

@@ -23,7 +23,9 @@ same :class:`~tailguard.core.exchange.Exchange` as ``tailguard serve``:
   (``metadata_context["envoy.lb.subset_hint"]``), a 503;
 * **response headers**: the served endpoint
   (``metadata_context["envoy.lb"]["x-gateway-destination-endpoint-served"]``,
-  else the header of that name) says whether Envoy fell back: each endpoint
+  else the header of that name, else the node id in ``x-tailguard-node``
+  that ``deploy/envoy/`` adds from the endpoint's metadata) says whether
+  Envoy fell back: each endpoint
   passed over is :meth:`Exchange.redirected` to the next, so the permit and
   the blame follow the request. Envoy's ``x-envoy-attempt-count`` does the
   same where no endpoint answered. A 5xx or 429 is the exchange's ``failed``
@@ -34,15 +36,31 @@ same :class:`~tailguard.core.exchange.Exchange` as ``tailguard serve``:
   counted as the proxy counts it (:class:`~tailguard.gateway.sse.SseCounter`:
   events and the usage chunk, never a chunk's JSON parsed).
 
-An ext_proc stream that ends before the response did (the client left, the
-upstream reset mid-stream, Envoy gave up) is the exchange's ``client_gone``:
-every permit is released exactly once. Envoy does not say which of these it
-was, so the node is not charged; a crashed node is caught by its health
-checks.
+Two shapes of Envoy configuration work (``tailguard envoy-config``):
+
+* **one filter** (GIE's reference shape): the response goes through the
+  picker's stream too, and Envoy waits for a reply to each response message
+  (one gRPC round trip before the first token reaches the client, and one per
+  chunk);
+* **picker and observer** (the default of ``deploy/envoy/``): the picker's
+  filter handles the request only; a second ext_proc filter in
+  ``observability_mode`` sends the request headers and the whole response
+  without waiting for anything. The two streams of one request are joined on
+  ``x-request-id`` (:attr:`EndpointPicker.live`); nothing is sent back on the
+  observer's. Replacing Envoy's own error answers is then Envoy's
+  ``local_reply_config``.
+
+The request's end releases every permit exactly once: the stream that sees
+the response ends with the HTTP request (the observer's, or the one filter's).
+One that ends before the response did (the client left, the upstream reset
+mid-stream, Envoy gave up) is the exchange's ``client_gone``. Envoy does not
+say which of these it was, so the node is not charged; a crashed node is
+caught by its health checks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -92,6 +110,7 @@ OBJECTIVES = {"critical": 0, "high": 0, "standard": 1, "normal": 1, "sheddable":
 _ENDPOINTS = {path: name for name, path in PATHS.items()}
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _TAIL = 4096  # of a non-streamed answer kept for its usage (it ends the body)
+ORPHAN_S = 2.0  # how long a routed request waits for its observer stream to join
 _CONTINUE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
@@ -145,29 +164,66 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.objectives = {**OBJECTIVES, **{k.lower(): v for k, v in (objectives or {}).items()}}
         self.exchange_type: type[Exchange] = Exchange  # tests put a tracing one here
         self.streams = 0  # open ext_proc streams (a gauge for tests and the admin view)
+        self.live: dict[str, _Exchange] = {}  # by x-request-id, while a stream may join
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         self.gate.install()
-        run = _Exchange(self)
+        run: _Exchange | None = None
+        observer = False
+        ended = False  # Envoy half-closed the stream (else it was cancelled: a reset)
         self.streams += 1
         try:
             async for msg in requests:
+                if run is None:
+                    observer = msg.observability_mode
+                    run = self._attach(msg, observer)
+                if observer:  # observability mode: Envoy waits for no reply, reads none
+                    run.observe(msg)
+                    continue
                 out = run.on_message(msg)
                 if out is None:  # the request waits in the pool's queue
                     out = await run.queued()
                 for resp in out:
                     yield resp
+            ended = True
         finally:
             self.streams -= 1
-            run.close()
+            if run is not None:
+                run.stream_closed(observer, ended)
+
+    def _attach(self, msg: pb.ProcessingRequest, observer: bool) -> _Exchange:
+        """The request's state, shared by its picker stream and its observer stream
+        (joined on ``x-request-id``; whichever comes first makes it)."""
+        rid = None
+        if msg.WhichOneof("request") == "request_headers":
+            for h in msg.request_headers.headers.headers:
+                if h.key == "x-request-id":
+                    rid = h.raw_value.decode("latin-1") if h.raw_value else h.value
+                    break
+        run = self.live.get(rid) if rid else None
+        if run is None or (run.observed if observer else run.picked):
+            run = _Exchange(self, rid)  # alone, or a second request with the same id
+            if rid and rid not in self.live:
+                self.live[rid] = run
+        if observer:
+            run.observed = True
+        else:
+            run.picked = True
+        return run
 
 
 class _Exchange:
     """One HTTP request seen through ext_proc: its messages, its exchange, its answer."""
 
-    def __init__(self, picker: EndpointPicker) -> None:
+    def __init__(self, picker: EndpointPicker, rid: str | None = None) -> None:
         self.picker = picker
+        self.rid = rid
+        self.picked = False  # a stream that routes it (not in observability mode) joined
+        self.observed = False  # an observer stream (observability mode) joined
+        self.observer_done = False
+        self.answered = False  # response headers came
+        self.closed = False
         self.t0 = time.monotonic()
         self.headers: dict[str, str] = {}
         self.duplex = False  # body streamed both ways: the headers reply waits for its end
@@ -360,7 +416,19 @@ class _Exchange:
 
     # -- the response ----------------------------------------------------------------
 
+    def observe(self, msg: pb.ProcessingRequest) -> None:
+        """A message of the observer stream: the response side only (the picker
+        stream routes; Envoy does not wait for the observer, so nothing is sent)."""
+        kind = msg.WhichOneof("request")
+        if kind == "response_body":
+            self._response_body(msg.response_body.body, msg.response_body.end_of_stream)
+        elif kind == "response_headers" and not self.answered:
+            self._response_headers(msg)
+        elif kind == "response_trailers":
+            self._response_body(b"", True)
+
     def _response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.answered = True
         ex = self.ex
         copy = self.copy
         if ex is None or copy is None or ex.ended is not None:
@@ -371,6 +439,9 @@ class _Exchange:
         upstream = "x-envoy-upstream-service-time" in h  # else Envoy made the answer itself
         served = _metadata(msg, LB_NAMESPACE, SERVED)
         where = served[0] if served else h.get(SERVED, "")
+        if not where and h.get(NODE_HEADER) in self.picker.fleet.nodes:
+            # Envoy named the node itself (from the endpoint's metadata, deploy/envoy/)
+            where = self.picker.fleet.nodes[h[NODE_HEADER]].endpoint
         if where in self.endpoints:
             target = self.endpoints.index(where)
         else:
@@ -508,11 +579,39 @@ class _Exchange:
             self.counted = True
             self.picker.metrics.request_done(pool, status)
 
-    def close(self) -> None:
-        """The ext_proc stream ended: whatever is still open is released."""
-        ex = self.ex
-        if ex is None:
+    def stream_closed(self, observer: bool, ended: bool) -> None:
+        """One of its streams ended.
+
+        The observer's stream ends with the HTTP request: it settles everything.
+        While an observer is joined, the picker stream's end means nothing
+        (Envoy closes it, or resets it, once the request is routed). Without
+        one, a picker stream's end is the request's when it was reset, or when
+        it saw the response; a clean close after routing waits a moment for an
+        observer to join (one configured joins at the request's start)."""
+        if observer:
+            self.observer_done = True
+            self.close()
+        elif self.observed and not self.observer_done:
             return
+        elif not ended or self.answered or self.ex is None or self.rid is None \
+                or self.observer_done:
+            self.close()
+        else:
+            asyncio.get_running_loop().call_later(ORPHAN_S, self._orphan)
+
+    def _orphan(self) -> None:
+        if not self.observed:
+            log.debug("request %s: no observer stream joined; released", self.rid)
+            self.close()
+
+    def close(self) -> None:
+        """The request ended: whatever is still open is released (once)."""
+        if self.rid is not None and self.picker.live.get(self.rid) is self:
+            del self.picker.live[self.rid]
+        ex = self.ex
+        if ex is None or self.closed:
+            return
+        self.closed = True
         if ex.ended is None:
             tokens = self.counter.output_tokens() if self.counter is not None else 0
             ex.client_gone(time.monotonic(), tokens)
