@@ -54,7 +54,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     config = load_fleet(args.config)
     sys.stdout.write(envoy_yaml(config, port=args.port, admin_port=args.admin_port,
                                 picker=args.picker, failure_mode_allow=args.failure_mode_allow,
-                                retries=args.retries, host=args.host))
+                                retries=args.retries, host=args.host,
+                                observer=not args.no_observer))
     return 0
 
 
@@ -89,6 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--admin-port", type=int, default=9901, help="Envoy's admin (default 9901)")
     p.add_argument("--host", default="0.0.0.0", help="address of both")
     p.add_argument("--retries", type=int, default=2, help="fallbacks Envoy walks (default 2)")
+    p.add_argument("--no-observer", action="store_true",
+                   help="one ext_proc filter for request and response (each response message "
+                        "waits for the picker), instead of an observer in observability mode")
     p.add_argument("--failure-mode-allow", action="store_true",
                    help="with the picker down, route by least request instead of failing")
     p.set_defaults(func=cmd_envoy_config)

