@@ -302,3 +302,82 @@ def test_no_capacity_and_committed_failure(settled: list[Balancer]) -> None:
     fail = only(ex.failed(copy, 1.5, CONNECT, output_tokens=7), Fail)
     assert isinstance(fail, Fail) and fail.committed  # after the first byte: no retry
     assert ex.ended == "failed"
+
+
+# -- the endpoint picker's events: a fallback list, and the data plane walking it ----
+
+
+def test_fallbacks_are_the_retry_order_and_take_no_permit(settled: list[Balancer]) -> None:
+    b = balancer(4)
+    settled.append(b)
+    ex = exchange(b)
+    first = dispatched(ex.arrive(0.0))
+    listed = ex.fallbacks(0.0)
+    assert len(listed) == 2 and first.node_id not in listed  # attempts 3: two more
+    assert len(set(listed)) == 2
+    assert sum(n.in_flight for n in b.nodes.values()) == 1
+    assert ex.fallbacks(0.0) == listed  # the same again: ranking moved no policy state
+    twin = balancer(4)  # the same, without the ranking: the next request goes to the same node
+    twin_first = dispatched(exchange(twin).arrive(0.0))
+    nxt, twin_next = exchange(b), exchange(twin)
+    assert dispatched(nxt.arrive(0.0)).node_id == dispatched(twin_next.arrive(0.0)).node_id
+    for e, t in ((nxt, 0.1), (twin_next, 0.1)):
+        e.client_gone(t)
+    twin.on_finish(twin_first.ticket, 0.1, Outcome.CLIENT_CANCELLED, 0)
+    for kw in ({"attempts": 1}, {"budget": RetryBudget(0.0, 0.0)}):  # no retry left
+        other = exchange(b, **kw)
+        copy = dispatched(other.arrive(0.0))
+        assert other.fallbacks(0.0) == []
+        other.client_gone(0.1)
+        assert copy.state == 2
+    ex.client_gone(0.1)
+
+
+def test_redirected_moves_the_permit_and_charges_the_first_node(
+        settled: list[Balancer]) -> None:
+    b = balancer(3)
+    settled.append(b)
+    ex = exchange(b)
+    first = dispatched(ex.arrive(0.0))
+    target = ex.fallbacks(0.0)[1]  # the data plane passed over two: the second fallback
+    second = dispatched(ex.redirected(first, target, 0.01, E5XX))
+    assert second.node_id == target and b.nodes[first.node_id].in_flight == 0
+    assert b.nodes[target].in_flight == 1
+    assert ex.first_chunk(second, 0.2) == ()
+    assert ex.finished(second, 1.0, Outcome.OK, 50) == ()
+    assert ex.verdict == ("node", 1) and charged(b, first.node_id) == 1
+    assert ex.redirected(second, first.node_id, 1.1, E5XX) == ()  # over: nothing more
+
+
+def test_redirected_to_a_full_node_still_takes_its_permit(settled: list[Balancer]) -> None:
+    b = balancer(2, limit=1)
+    settled.append(b)
+    busy = exchange(b)
+    other = dispatched(busy.arrive(0.0))  # n? is now at its limit
+    ex = exchange(b)
+    first = dispatched(ex.arrive(0.0))
+    assert first.node_id != other.node_id
+    moved = dispatched(ex.redirected(first, other.node_id, 0.01, CONNECT))
+    limiter = b.nodes[other.node_id].limiter
+    assert limiter is not None and limiter.inflight == 2  # over its limit: it is there
+    ex.finished(moved, 0.5, Outcome.OK, 10)
+    busy.finished(other, 0.5, Outcome.OK, 10)
+
+
+def test_failed_final_does_not_retry(settled: list[Balancer]) -> None:
+    b = balancer(3)
+    settled.append(b)
+    ex = exchange(b)
+    first = dispatched(ex.arrive(0.0))
+    fail = only(ex.failed(first, 0.01, CONNECT, final=True), Fail)
+    assert isinstance(fail, Fail) and ex.attempts == 1
+
+
+def test_the_subset_excludes_nodes_from_every_copy(settled: list[Balancer]) -> None:
+    b = balancer(3)
+    settled.append(b)
+    ex = Exchange(b, Request(MODEL, 100, 50, exclude=("n0", "n1")), RetryConfig(),
+                  RetryConfig().new_budget())
+    first = dispatched(ex.arrive(0.0))
+    assert first.node_id == "n2" and ex.fallbacks(0.0) == []
+    assert type(ex.failed(first, 0.01, CONNECT)[0]) is Fail  # no node left inside it

@@ -133,3 +133,29 @@ def test_replay_reproduces_admission_decisions() -> None:
     i = next(i for i, r in enumerate(log) if r["op"] == "admit" and "shed" in r["result"])
     log[i] = {**log[i], "result": {"shed": "made_up"}}
     assert any(d["op"] == "admit" and d["record"] == i for d in replay(log).differences)
+
+
+def test_replay_reproduces_an_endpoint_pickers_rank_and_take() -> None:
+    """The picker's fallback lists (rank) and the fallbacks Envoy used (take) replay too."""
+    for policy in ("tailguard", "p2c", "round_robin"):
+        log: list[dict[str, Any]] = []
+        specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(g), DEFAULT_CATALOG.gpu(g).name,
+                          models=(MODEL,)) for i, g in enumerate(["H100", "A100", "L4"])]
+        b = Balancer(specs, [PoolConfig(MODEL, policy, {}, Slo(1.5, 0.08))],
+                     random.Random(3), recorder=log.append)
+        rng = random.Random(4)
+        now = 0.0
+        for _ in range(200):
+            now += rng.expovariate(10.0)
+            t = b.pick(MODEL, rng.randint(10, 2000), now)
+            assert t is not None
+            ranked = b.rank(MODEL, 500, now, exclude=(t.node_id,), n=2)
+            if rng.random() < 0.3:  # the data plane fell back to the first of the list
+                b.on_finish(t, now, Outcome.CONNECT_FAILURE, 0)
+                t = b.take(MODEL, ranked[0], 500, now)
+                assert t is not None
+            b.on_first_token(t, now + 0.05)
+            b.on_finish(t, now + 0.5, Outcome.OK, rng.randint(1, 100))
+        res = replay([json.loads(json.dumps(r)) for r in log])
+        assert res.differences == [], (policy, res.differences[:3])
+        assert sum(1 for r in log if r.get("op") == "take") > 20

@@ -16,6 +16,7 @@ model name clients send; each has its own policy and SLO.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -347,8 +348,11 @@ class Balancer:
                 pool.limited and x.limiter is not None and not x.limiter.has_room())]
             req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output,
                               pool.mean_prompt, priority)
+            # A copy chooses: a stateful policy (round robin's turn) must not move on
+            # for choices that send nothing.
+            policy = copy.copy(pool.policy)
             while nodes and len(out) < n:
-                node_id = pool.policy.choose(nodes, req, now, self.rng)
+                node_id = policy.choose(nodes, req, now, self.rng)
                 if node_id is None:
                     break
                 out.append(node_id)
