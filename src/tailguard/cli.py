@@ -130,7 +130,16 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     from tailguard.sim.scenario import load_scenario
 
     scn = load_scenario(args.scenario)
-    cap = fleet_capacity(scn)
+    console = Console(stderr=True)
+    with Progress(TextColumn("capacity search"), BarColumn(), TextColumn("{task.fields[node]}"),
+                  TimeElapsedColumn(), console=console, transient=True,
+                  disable=args.quiet or not console.is_terminal) as bar:
+        task = bar.add_task("capacity", total=len(scn.nodes()), node="")
+
+        def step(done: int, total: int, node: str) -> None:
+            bar.update(task, completed=done, node=f"{node} ({done}/{total})")
+
+        cap = fleet_capacity(scn, progress=step)
     plans = {p.id: p for p in scn.nodes()}
     table = Table(title=f"SLO capacity of each node alone ({scn.model}, TTFT <= {scn.slo.ttft_s} s,"
                         f" TPOT <= {scn.slo.tpot_s} s, attainment {scn.slo.attainment})")
@@ -227,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("capacity", help="each node's SLO capacity and the fleet's bound")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("scenario")
     p.add_argument("--json")
     p.set_defaults(func=cmd_capacity)

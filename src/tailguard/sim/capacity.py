@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tailguard.core.hardware import PerfModel
@@ -102,9 +102,16 @@ def node_capacity(scn: Scenario, plan: NodePlan, n: int = PROBE_REQUESTS) -> flo
     return _capacity(plan.perf, plan.engine, scn.slo, gaps, prompts, outputs)
 
 
-def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS) -> dict[str, float]:
-    """Each node's SLO capacity by node id."""
-    return {plan.id: node_capacity(scn, plan, n) for plan in scn.nodes()}
+def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS,
+                   progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
+    """Each node's SLO capacity by node id; ``progress(done, total, node)`` after each."""
+    plans = scn.nodes()
+    out = {}
+    for i, plan in enumerate(plans):
+        out[plan.id] = node_capacity(scn, plan, n)
+        if progress is not None:
+            progress(i + 1, len(plans), plan.id)
+    return out
 
 
 def capacity_bound(model: str, slo: Slo, fleet: Sequence[tuple[str, int]],
