@@ -42,6 +42,7 @@ from tailguard.gateway.api_errors import error_response
 from tailguard.gateway.config import FleetConfig
 from tailguard.gateway.connections import ClientConnections, GuardedRunner
 from tailguard.gateway.dashboard import Dashboard, setup_dashboard
+from tailguard.gateway.discovery import KubernetesDiscovery
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import add_request_id_header, request_log
 from tailguard.gateway.metrics import GatewayMetrics
@@ -61,6 +62,7 @@ PROXY = web.AppKey("proxy", Proxy)
 RELOADER = web.AppKey("reloader", ConfigReloader)
 DASHBOARD = web.AppKey("dashboard", Dashboard)
 CONNECTIONS = web.AppKey("connections", ClientConnections)
+DISCOVERY = web.AppKey("discovery", list)
 
 # Shorter than the 5 s keep-alive of uvicorn (vLLM, SGLang) so that the
 # gateway never reuses a connection the engine is closing at that moment.
@@ -136,6 +138,8 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     app[DASHBOARD] = setup_dashboard(app, fleet)
 
     side: list[aiohttp.ClientSession] = []  # health checks, scrapes, webhooks
+    discovery: list[KubernetesDiscovery] = []  # with discovery: in the fleet file
+    app[DISCOVERY] = discovery
 
     async def startup(app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
@@ -147,11 +151,16 @@ def build_app(config: FleetConfig, rng: Random | None = None,
         proxy.upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
         remediator.session = session
         await fleet.start(session)
+        if config.discovery is not None:
+            discovery.append(KubernetesDiscovery(fleet, config.discovery))
+            discovery[0].start()
         reloader.start()
         for w in config.warnings:
             log.warning("%s", w)
 
     async def cleanup(app: web.Application) -> None:
+        for d in discovery:
+            await d.stop()
         await reloader.stop()
         await fleet.stop()
         await remediator.stop()
