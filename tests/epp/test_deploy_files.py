@@ -38,11 +38,17 @@ def test_envoy_accepts_every_shape(options: dict[str, object], tmp_path: Path) -
 def test_kubernetes_manifest_holds_a_valid_fleet_and_an_inference_pool() -> None:
     docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "epp.yaml").read_text()))
     kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"ConfigMap", "Deployment", "Service", "InferencePool", "HTTPRoute"}
+    assert set(kinds) == {"ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Deployment",
+                          "Service", "InferencePool", "HTTPRoute"}
     fleet = parse_fleet(yaml.safe_load(kinds["ConfigMap"]["data"]["fleet.yaml"]))
-    assert fleet.nodes and all(n.endpoint.split(":")[0].count(".") == 3 for n in fleet.nodes)
     pool = kinds["InferencePool"]
+    assert fleet.discovery is not None
+    assert fleet.discovery.inference_pool == pool["metadata"]["name"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert pool["spec"]["endpointPickerRef"]["name"] == kinds["Service"]["metadata"]["name"]
+    verbs = {(tuple(r["resources"]), tuple(r["verbs"])) for r in kinds["Role"]["rules"]}
+    assert verbs == {(("pods",), ("get", "list", "watch")), (("inferencepools",), ("get",))}
+    spec = kinds["Deployment"]["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
     args = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["tailguard", "epp"]

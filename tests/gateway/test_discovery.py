@@ -44,12 +44,23 @@ class FakeApiServer:
         self.lists = 0
         self.watches = 0
         self.closed = False
+        self.pools: dict[str, dict[str, Any]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self.pods_route)
         app.router.add_get("/api/v1/nodes/{name}", self.node_route)
+        app.router.add_get(
+            f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{{name}}",
+            self.pool_route)
         return app
+
+    async def pool_route(self, request: web.Request) -> web.Response:
+        pool = self.pools.get(request.match_info["name"])
+        if pool is None:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound",
+                                      "message": "no such pool"}, status=404)
+        return web.json_response(pool)
 
     def _emit(self, kind: str, pod: dict[str, Any]) -> None:
         for q in self.watchers:
@@ -85,11 +96,12 @@ class FakeApiServer:
                                   "metadata": {"name": name, "labels": self.nodes[name]}})
 
     async def pods_route(self, request: web.Request) -> web.StreamResponse:
-        selector = request.query.get("labelSelector", "")
-        key, _, value = selector.partition("=")
+        wanted = [term.partition("=")[::2]
+                  for term in request.query.get("labelSelector", "").split(",") if term]
 
         def match(pod: dict[str, Any]) -> bool:
-            return bool(pod["metadata"].get("labels", {}).get(key) == value)
+            labels = pod["metadata"].get("labels", {})
+            return all(labels.get(k) == v for k, v in wanted)
 
         if request.query.get("watch") not in ("true", "True", "1"):
             self.lists += 1
@@ -139,9 +151,10 @@ def pod(name: str, port: int, *, ready: bool = True, gpu: str | None = None,
 
 
 @asynccontextmanager
-async def stack(tmp_path: Path, n: int = 3) -> AsyncIterator[tuple[FakeApiServer, RunningGateway,
-                                                                    dict[str, int]]]:
-    api = FakeApiServer()
+async def stack(tmp_path: Path, n: int = 3, discovery: dict[str, Any] | None = None,
+                api: FakeApiServer | None = None) -> AsyncIterator[
+                    tuple[FakeApiServer, RunningGateway, dict[str, int]]]:
+    api = api or FakeApiServer()
     runner = web.AppRunner(api.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -160,8 +173,9 @@ async def stack(tmp_path: Path, n: int = 3) -> AsyncIterator[tuple[FakeApiServer
             cfg = parse_fleet({"listen": "127.0.0.1:0", "pools": {MODEL: {}},
                                "health": {"interval_s": 0.2},
                                "discovery": {"kubernetes": {
-                                   "namespace": NS, "selector": "app=engine", "port": "http",
-                                   "kubeconfig": str(kubeconfig), "watch_timeout_s": 30}}})
+                                   "namespace": NS, "kubeconfig": str(kubeconfig),
+                                   "watch_timeout_s": 30,
+                                   **(discovery or {"selector": "app=engine", "port": "http"})}}})
             async with run_gateway(cfg) as gw:
                 yield api, gw, ports
     finally:
@@ -242,6 +256,30 @@ def test_watch_resumes_after_a_restart_and_relists_after_410(tmp_path: Path) -> 
     asyncio.run(asyncio.wait_for(body(), 60))
 
 
+def test_an_inference_pool_names_the_pods_and_their_port(tmp_path: Path) -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        async with stack(tmp_path, 2, {"inference_pool": "llama-pool"}, api) as (_, gw, ports):
+            await asyncio.sleep(0.3)  # no pool yet: discovery retries, the gateway serves on
+            assert not gw.fleet.nodes
+            api.pools["llama-pool"] = {
+                "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": "llama-pool", "namespace": NS},
+                "spec": {"selector": {"matchLabels": {"app": "engine", "tier": "a"}},
+                         "targetPorts": [{"number": ports["e0"]}],
+                         "endpointPickerRef": {"name": "tailguard-epp"}}}
+            inside = pod("p0", 1, gpu="H100")
+            inside["metadata"]["labels"]["tier"] = "a"
+            api.put(inside)
+            api.put(pod("p1", ports["e1"], gpu="H100"))  # not the pool's: no tier label
+            await wait_for(lambda: "p0" in gw.fleet.nodes, "the pool's pod", timeout=20)
+            assert gw.fleet.nodes["p0"].url == f"http://127.0.0.1:{ports['e0']}"  # targetPorts
+            assert "p1" not in gw.fleet.nodes
+            assert (await chat(gw)) == (200, "p0")
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
 def test_discovery_keys_are_checked() -> None:
     base = {"namespace": "n", "selector": "a=b", "port": 8000}
     parse_fleet({"discovery": {"kubernetes": base}})
@@ -251,3 +289,8 @@ def test_discovery_keys_are_checked() -> None:
             parse_fleet({"discovery": {"kubernetes": bad}})
     with pytest.raises(ConfigError, match="discovery"):
         parse_fleet({"discovery": {"consul": {}}})
+    pool = parse_fleet({"discovery": {"kubernetes": {"namespace": "n", "inference_pool": "p"}}})
+    assert pool.discovery is not None and pool.discovery.port == 0  # the pool's targetPorts
+    with pytest.raises(ConfigError, match="selector"):
+        parse_fleet({"discovery": {"kubernetes": {"namespace": "n", "inference_pool": "p",
+                                                  "selector": "a=b"}}})

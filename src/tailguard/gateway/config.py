@@ -649,7 +649,7 @@ def load_fleet(path: str | Path, catalog: Catalog = DEFAULT_CATALOG) -> FleetCon
     # become a fleet without nodes, admin API or listen address.
     if raw is None:
         raise ConfigError("", f"{p}: the fleet file is empty")
-    if isinstance(raw, Mapping) and "nodes" not in raw:
+    if isinstance(raw, Mapping) and "nodes" not in raw and "discovery" not in raw:
         raise ConfigError("nodes", f"{p}: missing (write `nodes: []` for a fleet that starts "
-                                   f"empty and is filled through the admin API)")
+                                   f"empty and is filled through the admin API or discovery)")
     return parse_fleet(raw, catalog, p.resolve())

@@ -25,6 +25,13 @@ The gateway lists the pods, then watches them from the list's
   label values' first character but is in the rest, so model names fit), else
   ``models`` from the file, else every pool of the file.
 
+With ``inference_pool: NAME`` instead of ``selector`` (and ``port``), the
+pods are those of a Gateway API Inference Extension ``InferencePool``
+(``inference.networking.k8s.io/v1``): its ``spec.selector.matchLabels`` and
+first ``spec.targetPorts`` number, read again at every relist (so an edited
+pool takes effect within one watch timeout). The endpoint picker
+(``tailguard epp``) then picks among exactly the pool's pods.
+
 A watch that ends (the API server's timeout) resumes from the last
 ``resourceVersion``; ``410 Gone`` (the version is too old) or an error
 relists and reconciles, with a back-off, so an API-server restart loses
@@ -69,6 +76,7 @@ class KubernetesDiscovery:
         self._task: asyncio.Task[None] | None = None
         self.synced = asyncio.Event()  # the first list is applied
         self.relists = 0
+        self.port: int | str = cfg.port
         self._api: Any = None
 
     def start(self) -> None:
@@ -100,10 +108,13 @@ class KubernetesDiscovery:
         async with client.ApiClient() as api_client:
             api = client.CoreV1Api(api_client)
             self._api = api
+            custom = client.CustomObjectsApi(api_client)
+            selector, self.port = cfg.selector, cfg.port
             while True:
                 try:
-                    pods = await api.list_namespaced_pod(cfg.namespace,
-                                                         label_selector=cfg.selector)
+                    if cfg.inference_pool is not None:
+                        selector, self.port = await self._pool(custom)
+                    pods = await api.list_namespaced_pod(cfg.namespace, label_selector=selector)
                     self.relists += 1
                     await self._reconcile(pods.items)
                     self.synced.set()
@@ -114,7 +125,7 @@ class KubernetesDiscovery:
                     while True:  # watch, resuming where the last watch ended
                         w = watch.Watch()
                         async with w.stream(api.list_namespaced_pod, cfg.namespace,
-                                            label_selector=cfg.selector,
+                                            label_selector=selector,
                                             resource_version=version,
                                             timeout_seconds=cfg.watch_timeout_s) as stream:
                             async for ev in stream:
@@ -130,6 +141,22 @@ class KubernetesDiscovery:
                 except Exception as exc:  # a dropped connection, an API server restarting
                     failures = self._failed(failures, f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
+
+    async def _pool(self, custom: Any) -> tuple[str, int | str]:
+        """The InferencePool's label selector and target port."""
+        cfg = self.cfg
+        pool = await custom.get_namespaced_custom_object(
+            "inference.networking.k8s.io", "v1", cfg.namespace, "inferencepools",
+            cfg.inference_pool)
+        spec = pool.get("spec", {})
+        labels = (spec.get("selector") or {}).get("matchLabels") or {}
+        if not labels:
+            raise ValueError(f"InferencePool {cfg.inference_pool} has no selector.matchLabels")
+        ports = spec.get("targetPorts") or []
+        port: int | str = cfg.port or (int(ports[0]["number"]) if ports else 0)
+        if not port:
+            raise ValueError(f"InferencePool {cfg.inference_pool} has no targetPorts")
+        return ",".join(f"{k}={v}" for k, v in sorted(labels.items())), port
 
     def _failed(self, failures: int, why: str) -> int:
         if failures == 0:
@@ -186,10 +213,10 @@ class KubernetesDiscovery:
 
     async def _node(self, pod: Any) -> NodeConfig | None:
         name = pod.metadata.name
-        port = _port(pod, self.cfg.port)
+        port = _port(pod, self.port)
         if port is None:
             log.warning("discovery: pod %s has no container port %r; skipped", name,
-                        self.cfg.port)
+                        self.port)
             return None
         annotations = pod.metadata.annotations or {}
         labels = pod.metadata.labels or {}

@@ -8,14 +8,16 @@ from typing import Any
 
 from tailguard.errors import ConfigError
 
-_KEYS = ("namespace", "selector", "port", "models", "kubeconfig", "watch_timeout_s")
+_KEYS = ("namespace", "selector", "port", "inference_pool", "models", "kubeconfig",
+         "watch_timeout_s")
 
 
 @dataclass(frozen=True, slots=True)
 class KubernetesDiscoveryConfig:
     namespace: str
-    selector: str
-    port: int | str  # a number, or the name of a container port
+    selector: str  # "" with inference_pool: the pool's own selector
+    port: int | str  # a number, or the name of a container port (0: the pool's targetPorts)
+    inference_pool: str | None = None  # an InferencePool (inference.networking.k8s.io/v1)
     models: tuple[str, ...] = ()
     kubeconfig: str | None = None  # default: in-cluster, else the usual kubeconfig
     watch_timeout_s: int = 300  # the server ends each watch after this; it resumes
@@ -34,12 +36,17 @@ def parse_discovery(raw: Any) -> KubernetesDiscoveryConfig | None:
     unknown = sorted(set(m) - set(_KEYS))
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}", "unknown key", list(_KEYS))
-    for key in ("namespace", "selector"):
+    pool = m.get("inference_pool")
+    if pool is not None and (not isinstance(pool, str) or not pool):
+        raise ConfigError(f"{where}.inference_pool", "must be an InferencePool's name")
+    for key in ("namespace",) if pool else ("namespace", "selector"):
         if not isinstance(m.get(key), str) or not m[key]:
             raise ConfigError(f"{where}.{key}", "is required (a non-empty string)")
-    port = m.get("port")
-    if isinstance(port, bool) or not ((isinstance(port, int) and 0 < port < 65536)
-                                      or (isinstance(port, str) and port)):
+    if pool and "selector" in m:
+        raise ConfigError(f"{where}.selector", "comes from the InferencePool: give one or the other")
+    port = m.get("port", 0 if pool else None)
+    if isinstance(port, bool) or not ((isinstance(port, int) and 0 <= port < 65536
+                                       and (port or pool)) or (isinstance(port, str) and port)):
         raise ConfigError(f"{where}.port", "is required: a port number or a container port name")
     models = m.get("models") or ()
     if isinstance(models, str):
@@ -52,5 +59,5 @@ def parse_discovery(raw: Any) -> KubernetesDiscoveryConfig | None:
     kubeconfig = m.get("kubeconfig")
     if kubeconfig is not None and not isinstance(kubeconfig, str):
         raise ConfigError(f"{where}.kubeconfig", "must be a path")
-    return KubernetesDiscoveryConfig(m["namespace"], m["selector"], port, tuple(models),
-                                     kubeconfig, timeout)
+    return KubernetesDiscoveryConfig(m["namespace"], m.get("selector", ""), port, pool,
+                                     tuple(models), kubeconfig, timeout)
