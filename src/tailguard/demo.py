@@ -296,8 +296,14 @@ async def run_demo(duration_s: float, load: float | None, console: Console, *,
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import logging
+
     from tailguard.gateway.server import _loop_factory
 
+    # The view shows states and faults; the request log (a 499 per request cut off
+    # by Ctrl-C) and the monitor's lines would only scroll through it.
+    for name in ("tailguard.request", "tailguard.gateway.monitor", "tailguard.gateway"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     console = Console()
     runner = asyncio.Runner(loop_factory=_loop_factory)
     try:
