@@ -321,8 +321,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="a mixed fleet with a straggler, behind a naive policy "
                                     "and behind tailguard")
-    p.add_argument("--duration", type=float, default=40.0,
-                   help="seconds of load per run (default 40)")
+    p.add_argument("--duration", type=float, default=36.0,
+                   help="seconds of load per run (default 36)")
     p.add_argument("--load", type=float, default=None,
                    help="offered load as a fraction of the fleet's SLO capacity (default: just "
                         "above what the fleet serves without its weakest class)")
