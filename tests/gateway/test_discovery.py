@@ -166,7 +166,9 @@ async def stack(tmp_path: Path, n: int = 3, discovery: dict[str, Any] | None = N
         "clusters": [{"name": "local", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u"}}]}))
-    engines = [EmulatedNode(f"e{i}", "A100", models=(MODEL,)) for i in range(n)]
+    # e2 serves a second model: a pod without a model label gets both from its /v1/models
+    engines = [EmulatedNode(f"e{i}", "A100", models=(MODEL, "other") if i == 2 else (MODEL,))
+               for i in range(n)]
     try:
         async with run_emulator(engines, speed=50) as emu:
             ports = {e.id: int(emu.urls[e.id].rsplit(":", 1)[1]) for e in engines}
@@ -207,7 +209,9 @@ def test_pods_become_nodes_and_leave_cleanly(tmp_path: Path) -> None:
             fleet = gw.fleet
             api.put(pod("p0", ports["e0"]))  # GPU from its node's GFD label
             api.put(pod("p1", ports["e1"], gpu="L4"))  # GPU from its annotation
-            api.put(pod("p2", ports["e2"], ready=False))  # not ready: not yet
+            unlabelled = pod("p2", ports["e2"], ready=False)  # not ready: not yet
+            del unlabelled["metadata"]["labels"]["tailguard.io/model"]  # its /v1/models says
+            api.put(unlabelled)
             await wait_for(lambda: {"p0", "p1"} <= set(fleet.nodes), "two pods discovered")
             assert "p2" not in fleet.nodes
             assert fleet.nodes["p0"].gpu_class == "H100-SXM"
@@ -216,8 +220,11 @@ def test_pods_become_nodes_and_leave_cleanly(tmp_path: Path) -> None:
             assert fleet.nodes["p0"].models == (MODEL,)
             served = {(await chat(gw))[1] for _ in range(6)}
             assert served <= {"p0", "p1"} and served
-            api.put(pod("p2", ports["e2"]))  # ready now
+            unlabelled = pod("p2", ports["e2"])  # ready now
+            del unlabelled["metadata"]["labels"]["tailguard.io/model"]
+            api.put(unlabelled)
             await wait_for(lambda: "p2" in fleet.nodes, "p2 once ready")
+            assert fleet.nodes["p2"].models == (MODEL, "other")
             api.put(pod("p1", ports["e1"], gpu="L4", ready=False))  # not ready: drained
             await wait_for(lambda: fleet.balancer.nodes["p1"].state is NodeState.DRAINING,
                            "p1 drained")

@@ -21,9 +21,9 @@ The gateway lists the pods, then watches them from the list's
   ``nvidia.com/gpu.product`` (``NVIDIA-H100-80GB-HBM3``); the GPU count (the
   replica's ``tp``) is the pod's ``nvidia.com/gpu`` resource limit, else the
   annotation ``tailguard.io/gpu-count``, else 1;
-* its models: the pod label ``tailguard.io/model`` (``.`` is not allowed in
-  label values' first character but is in the rest, so model names fit), else
-  ``models`` from the file, else every pool of the file.
+* its models: the pod label ``tailguard.io/model``, else ``models`` from the
+  file, else what the engine's own ``GET /v1/models`` lists, else every pool
+  of the file.
 
 With ``inference_pool: NAME`` instead of ``selector`` (and ``port``), the
 pods are those of a Gateway API Inference Extension ``InferencePool``
@@ -45,6 +45,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from tailguard.core.fleet import NodeState
 from tailguard.errors import ConfigError
@@ -225,12 +227,14 @@ class KubernetesDiscovery:
         if gpu is None and pod.spec.node_name:
             gpu = await self._node_gpu(pod.spec.node_name)
         model = labels.get(MODEL_LABEL)
-        models = [model] if model else list(self.cfg.models or self.fleet.config.pools)
+        url = f"http://{pod.status.pod_ip}:{port}"
+        models = [model] if model else list(self.cfg.models) or await _served_models(url) \
+            or list(self.fleet.config.pools)
         if not models:
             log.warning("discovery: pod %s names no model (label %s) and the file has no "
                         "pool; skipped", name, MODEL_LABEL)
             return None
-        raw = {"id": name, "url": f"http://{pod.status.pod_ip}:{port}", "gpu": gpu or "unknown",
+        raw = {"id": name, "url": url, "gpu": gpu or "unknown",
                "models": models, "tp": count or 1,
                "labels": {"pod": name, "k8s_node": pod.spec.node_name or ""}}
         try:
@@ -251,6 +255,19 @@ class KubernetesDiscovery:
                             node_name, exc, GPU_ANNOTATION)
             self._gpu_of_node[node_name] = (gpu, None)
         return self._gpu_of_node[node_name][0]
+
+
+async def _served_models(url: str, timeout_s: float = 2.0) -> list[str]:
+    """The engine's own ``GET /v1/models`` (empty if it does not answer in time)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
+                s.get(url + "/v1/models") as r:
+            doc = await r.json(content_type=None) if r.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        log.info("discovery: %s/v1/models: %s", url, exc)
+        return []
+    data = doc.get("data") if isinstance(doc, dict) else None
+    return [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 def _ready(pod: Any) -> bool:
