@@ -390,8 +390,7 @@ class _Exchange:
         """A request without a body: the model list, or a 404 naming what is routed."""
         h = self.headers
         path = h.get(":path", "").split("?", 1)[0]
-        if h.get(":method") == "GET" and path == "/v1/models":
-            self._count(INVALID_POOL, 200)
+        if h.get(":method") == "GET" and path == "/v1/models":  # not counted, as under serve
             data = [{"id": m, "object": "model", "owned_by": "tailguard"}
                     for m in self.picker.fleet.served_models()]
             return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
