@@ -52,6 +52,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.emulator.driver import EngineDriver, Pending
 from tailguard.emulator.faults import FaultSpec, FaultState, combine, parse_fault
 from tailguard.emulator.fleet import EmulatedNode
@@ -151,6 +152,7 @@ class EngineServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/dcgm", self._dcgm)
         app.router.add_post("/admin/faults", self._post_faults)
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_delete("/admin/faults", self._delete_faults)
@@ -394,6 +396,13 @@ class EngineServer:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    async def _dcgm(self, request: web.Request) -> web.StreamResponse:
+        """A dcgm-exporter page for the node's GPUs, consistent with its faults."""
+        if self._down:
+            return self._refuse(request)
+        return web.Response(body=dcgm_page(self.node, self._state.speed_factor).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
+
     # ------------------------------------------------------------------ admin
 
     def _target(self, node_id: Any) -> EngineServer:
@@ -516,3 +525,45 @@ async def run_emulator(nodes: Sequence[EmulatedNode], **options: Any) -> AsyncIt
         yield emu
     finally:
         await emu.stop()
+
+
+# Maximum SM clocks (MHz) of the catalog's cards, from NVIDIA's data sheets; others 1800.
+_MAX_SM_CLOCK = {"H100-SXM": 1980, "H100-PCIe": 1755, "H200": 1980, "A100-80GB": 1410,
+                 "A100-40GB": 1410, "L40S": 2520, "L4": 2040, "A10G": 1710, "T4": 1590,
+                 "V100": 1530}
+_DCGM_FIELDS = (("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)."),
+                ("DCGM_FI_DEV_MAX_SM_CLOCK", "Maximum SM clock frequency (in MHz)."),
+                ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock throttle reasons."),
+                ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)."),
+                ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)."),
+                ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)."),
+                ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)."),
+                ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered."))
+
+
+def dcgm_page(node: EmulatedNode, speed_factor: float) -> str:
+    """The node's GPUs as dcgm-exporter shows them. A throttle fault slows the
+    replica; here it is GPU 0's doing: a hardware thermal slowdown with its SM
+    clock at the fault's factor, as a hot card in a TP group would look."""
+    gpu = DEFAULT_CATALOG.gpu(node.gpu, f"node {node.id}: gpu")
+    model = next((a for a in gpu.aliases if a.startswith("NVIDIA")), gpu.name)
+    max_clock = _MAX_SM_CLOCK.get(gpu.name, 1800)
+    total_mib = gpu.mem_gb * 1024
+    lines = []
+    for name, help_text in _DCGM_FIELDS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for i in range(node.tp):
+            hot = i == 0 and speed_factor < 1.0
+            value = {
+                "DCGM_FI_DEV_SM_CLOCK": round(max_clock * (speed_factor if hot else 1.0)),
+                "DCGM_FI_DEV_MAX_SM_CLOCK": max_clock,
+                "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": 0x40 if hot else 0,
+                "DCGM_FI_DEV_GPU_TEMP": 91 if hot else 62,
+                "DCGM_FI_DEV_FB_USED": round(total_mib * 0.9),  # what vLLM preallocates
+                "DCGM_FI_DEV_FB_FREE": round(total_mib * 0.1),
+                "DCGM_FI_DEV_GPU_UTIL": 100,
+                "DCGM_FI_DEV_XID_ERRORS": 0,
+            }[name]
+            lines.append(f'{name}{{gpu="{i}",UUID="GPU-{node.id}-{i}",device="nvidia{i}",'
+                         f'modelName="{model}",Hostname="{node.id}"}} {value}')
+    return "\n".join(lines) + "\n"

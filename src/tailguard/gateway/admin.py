@@ -174,6 +174,7 @@ class AdminApi:
         now = time.monotonic()
         engine: dict[str, Any] | None = None
         health: dict[str, Any] | None = None
+        gpus: dict[str, Any] | None = None
         if mon is not None:
             age = mon.metrics_age(now)
             engine = {
@@ -189,6 +190,11 @@ class AdminApi:
             }
             health = {"up": mon.up, "checks_failed": mon.checks_failed,
                       "last_error": mon.last_error}
+            if mon.node.dcgm_url:
+                gpus = {"gpus": [g.as_dict() for g in mon.gpus],
+                        "age_s": round(now - mon.gpus_at, 3) if mon.gpus_at >= 0 else None,
+                        "cause": mon.gpu_cause(), "warning": mon.gpu_warning or None,
+                        "error": mon.dcgm_error}
         return {
             "id": node.id,
             "url": cfg.url if cfg else node.spec.url,
@@ -221,5 +227,6 @@ class AdminApi:
             "latency_s": node.latency.decayed(now),
             "engine_metrics": engine,
             "health": health,
+            "telemetry": gpus,
             "outliers": outlier_view(fleet, node.id),
         }

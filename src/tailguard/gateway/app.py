@@ -43,6 +43,7 @@ from tailguard.gateway.config import FleetConfig
 from tailguard.gateway.connections import ClientConnections, GuardedRunner
 from tailguard.gateway.dashboard import Dashboard, setup_dashboard
 from tailguard.gateway.discovery import KubernetesDiscovery
+from tailguard.gateway.gpu_metrics import GpuCollector
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import add_request_id_header, request_log
 from tailguard.gateway.metrics import GatewayMetrics
@@ -87,6 +88,7 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     remediator = Remediator(fleet, fleet.event_log, metrics.remediation)
     fleet.event_listeners.append(remediator.on_event)
     metrics.registry.register(OutlierCollector(fleet))
+    metrics.registry.register(GpuCollector(fleet))
     metrics.registry.register(UpstreamCollector(fleet, proxy))
     app = web.Application(client_max_size=_NO_AIOHTTP_BODY_LIMIT, middlewares=[request_log])
     app.on_response_prepare.append(add_request_id_header)

@@ -73,7 +73,7 @@ FLEET_KEYS = ("listen", "nodes", "pools", "discovery", "admin", "api_keys", "api
               "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog",
               "outliers", "remediation", "client")
 NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
-             "api_key_env", "faults", "emulator")
+             "api_key_env", "dcgm_url", "faults", "emulator")
 POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries", "limits",
              "admission", "hedging")
 
@@ -133,6 +133,7 @@ class NodeConfig:
     weight: float | None = None
     max_num_seqs: int = 256
     api_key_env: str | None = None  # env var holding the key the engine expects
+    dcgm_url: str | None = None  # the node's DCGM exporter page (gateway/dcgm.py)
     faults: tuple[Mapping[str, Any], ...] = ()  # raw, for the emulator
     emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
 
@@ -510,12 +511,15 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
         if not isinstance(f.get("kind"), str):
             raise ConfigError(f"{where}.faults[{i}].kind", "is required")
     emulator = require_mapping(m.get("emulator") or {}, f"{where}.emulator")
+    dcgm_url = m.get("dcgm_url")
+    if dcgm_url is not None:
+        dcgm_url = parse_url(dcgm_url, f"{where}.dcgm_url")
     return NodeConfig(
         id=node_id, url=url, gpu=gpu, gpu_spec=gpu_spec, models=tuple(models_raw),
         tp=_integer(m, "tp", where, 1), engine=engine,
         labels={str(k): str(v) for k, v in labels.items()}, weight=weight,
         max_num_seqs=_integer(m, "max_num_seqs", where, 256), api_key_env=api_key_env,
-        faults=faults, emulator=dict(emulator),
+        dcgm_url=dcgm_url, faults=faults, emulator=dict(emulator),
     )
 
 

@@ -24,6 +24,7 @@ leaves them alone (unless the file now names the same id: the file wins).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -124,6 +125,7 @@ class LiveFleet:
         while True:
             await asyncio.sleep(TICK_INTERVAL_S)
             for ev in self.balancer.tick(time.monotonic()):
+                ev = self._with_gpu_cause(ev)
                 log.info("node %s: %s -> %s (%s)", ev.node, ev.kind, ev.state, ev.reason)
                 for listener in self.event_listeners:
                     listener(ev)
@@ -162,6 +164,16 @@ class LiveFleet:
     def serves(self, model: str) -> bool:
         pool = self.balancer.pools.get(model)
         return pool is not None and bool(pool.nodes)
+
+    def _with_gpu_cause(self, ev: Event) -> Event:
+        """A slow node's event names the GPU behind it, when its DCGM page shows one."""
+        mon = self.monitors.get(ev.node)
+        if ev.state not in ("degraded", "quarantined") or mon is None:
+            return ev
+        cause = mon.gpu_cause()
+        if cause is None:
+            return ev
+        return dataclasses.replace(ev, reason=f"{ev.reason}; {cause}")
 
     def ready(self) -> bool:
         return any(n.state.routable for n in self.balancer.nodes.values())

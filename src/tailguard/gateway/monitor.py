@@ -31,12 +31,14 @@ from collections.abc import Callable
 import aiohttp
 
 from tailguard.gateway.config import HealthSettings, NodeConfig, ScrapeSettings
+from tailguard.gateway.dcgm import DcgmError, GpuTelemetry, gpu_mismatch, parse_dcgm
 from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
 
 log = logging.getLogger("tailguard.gateway.monitor")
 
 NO_METRICS_RETRY_S = 30.0
 SCRAPE_BACKOFF_MAX_S = 5.0
+DCGM_INTERVAL_S = 2.0  # dcgm-exporter itself refreshes every 30 s by default; clocks move faster
 
 SampleCallback = Callable[[str, float, EngineSample | None], None]
 HealthCallback = Callable[[str, bool], None]
@@ -68,6 +70,10 @@ class NodeMonitor:
         self.scrape_errors = 0
         self.failing = 0  # scrapes failed in a row: the next ones back off
         self.up = True
+        self.gpus: list[GpuTelemetry] = []  # the DCGM page's GPUs, when dcgm_url is set
+        self.gpus_at = -1.0
+        self.dcgm_error: str | None = None
+        self.gpu_warning: str | None = None  # a mismatch with the fleet file ("" when none)
         self.checks_failed = 0  # consecutive
         self.checks_passed = 0  # consecutive
         self.last_error: str | None = None
@@ -80,6 +86,9 @@ class NodeMonitor:
             asyncio.create_task(self._scrape_loop(), name=f"scrape:{self.node.id}"),
             asyncio.create_task(self._health_loop(), name=f"health:{self.node.id}"),
         ]
+        if self.node.dcgm_url:
+            self._tasks.append(asyncio.create_task(self._dcgm_loop(),
+                                                   name=f"dcgm:{self.node.id}"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -157,6 +166,44 @@ class NodeMonitor:
             else:
                 wait = interval - (now - start)
             await asyncio.sleep(max(wait, 0.01))
+
+    # -- GPU telemetry (DCGM) ----------------------------------------------------
+
+    async def dcgm_once(self) -> None:
+        url = self.node.dcgm_url
+        assert url is not None
+        timeout = aiohttp.ClientTimeout(total=self.scrape.timeout_s)
+        try:
+            async with self.session.get(url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    self.dcgm_error = f"dcgm: HTTP {resp.status}"
+                    return
+                text = await resp.text()
+            gpus = parse_dcgm(text)
+        except (aiohttp.ClientError, TimeoutError, OSError, DcgmError) as exc:
+            self.dcgm_error = f"dcgm: {type(exc).__name__}: {exc}"
+            return
+        self.gpus = gpus
+        self.gpus_at = time.monotonic()
+        self.dcgm_error = None
+        if self.gpu_warning is None:
+            self.gpu_warning = gpu_mismatch(self.node, gpus) or ""
+            if self.gpu_warning:
+                log.warning("node %s: %s", self.node.id, self.gpu_warning)
+
+    def gpu_cause(self) -> str | None:
+        """What slows one of the node's GPUs now (the first that is), from DCGM."""
+        for g in self.gpus:
+            cause = g.cause(len(self.gpus) if len(self.gpus) > 1 else None)
+            if cause is not None:
+                return cause
+        return None
+
+    async def _dcgm_loop(self) -> None:
+        interval = max(self.scrape.interval_s, DCGM_INTERVAL_S)
+        while True:
+            await self.dcgm_once()
+            await asyncio.sleep(interval)
 
     # -- health --------------------------------------------------------------
 
