@@ -95,5 +95,20 @@ def test_gateway_shows_an_emulated_nodes_gpus_and_names_the_throttled_one() -> N
                                                     "slow: decode 1.9x its peers"))
                 assert ev.reason == ("slow: decode 1.9x its peers; GPU 0 of 2: hardware "
                                      "thermal slowdown, SM clock 0.99 of 1.98 GHz")
+                # One GPU of the pair throttled: it alone is named; the replica runs at its pace.
+                server = emu.server("h0")
+                server.clear_faults()
+                server.inject(parse_fault({"kind": "throttle", "factor": 0.4, "gpu_index": 1,
+                                           "duration_s": 30}))
+                assert server._state.speed_factor == pytest.approx(0.4)
+                await mon.dcgm_once()
+                t = await telemetry()
+                assert t["cause"] == "GPU 1 of 2: hardware thermal slowdown, SM clock 0.79 of " \
+                                     "1.98 GHz"
+                slow = [g["gpu"] for g in t["gpus"] if g["slowdowns"]]  # type: ignore[index]
+                assert slow == [1]
+                async with s.post(url + "/admin/faults",
+                                  json={"kind": "throttle", "factor": 0.5, "gpu_index": 2}) as r:
+                    assert r.status == 400  # a replica of two has no GPU 2
 
     asyncio.run(asyncio.wait_for(body(), 30))

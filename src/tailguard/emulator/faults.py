@@ -3,6 +3,7 @@
 One JSON/YAML object per fault::
 
     {"kind": "throttle", "factor": 0.4, "duration_s": 60}   # steps take 1/0.4 as long
+    {"kind": "throttle", "factor": 0.4, "gpu_index": 1}      # one GPU of a TP replica
     {"kind": "stall", "seconds": 5}                          # one pause of the engine
     {"kind": "stall", "seconds": 1, "period_s": 10, "duration_s": 120}   # a pause every 10 s
     {"kind": "errors", "rate": 0.2}                          # 20% of requests get HTTP 500
@@ -35,7 +36,7 @@ from tailguard.errors import ConfigError
 KINDS = ("throttle", "stall", "errors", "hang", "crash", "network")
 _ALIASES = {"error_rate": "errors", "pause": "stall", "slow": "throttle", "slow_network": "network"}
 _KEYS = ("kind", "node", "at_s", "duration_s", "factor", "seconds", "pause_s", "period_s", "rate",
-         "delay_s", "jitter_s")
+         "delay_s", "jitter_s", "gpu_index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +50,15 @@ class FaultSpec:
     rate: float = 0.0  # errors: share of requests answered with HTTP 500
     delay_s: float = 0.0  # network: every write to a client waits this long...
     jitter_s: float = 0.0  # ...plus a uniform draw from [0, jitter_s)
+    gpu_index: int | None = None  # throttle: one GPU of the replica (its slowest rank paces it)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "at_s": self.at_s,
                                "duration_s": self.duration_s}
         if self.kind == "throttle":
             out["factor"] = self.factor
+            if self.gpu_index is not None:
+                out["gpu_index"] = self.gpu_index
         elif self.kind == "stall":
             out["seconds"] = self.seconds
             out["period_s"] = self.period_s
@@ -95,7 +99,10 @@ def parse_fault(raw: object, where: str = "fault") -> FaultSpec:
         factor = _num(raw, "factor", where, strict=True)
         if factor is None:
             raise ConfigError(f"{where}.factor", "is required for a throttle (speed factor, e.g. 0.4)")
-        return FaultSpec("throttle", at_s, duration, factor=factor)
+        gpu = raw.get("gpu_index")
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):
+            raise ConfigError(f"{where}.gpu_index", f"must be a GPU index >= 0, got {gpu!r}")
+        return FaultSpec("throttle", at_s, duration, factor=factor, gpu_index=gpu)
     if kind == "stall":
         seconds = _num(raw, "seconds", where, strict=True)
         if seconds is None:
@@ -132,6 +139,14 @@ class FaultState:
     crash: bool = False
     delay_s: float = 0.0  # network: fixed wait before each write
     jitter_s: float = 0.0  # network: upper bound of the random extra wait
+    # Throttle factors by GPU index (one GPU's fault), and of every GPU (the node's).
+    gpu_factors: tuple[tuple[int, float], ...] = ()
+    all_gpus: float = 1.0
+
+    def gpu_factor(self, index: int) -> float:
+        """How fast GPU ``index`` of the replica runs (1: its full clock)."""
+        own = dict(self.gpu_factors).get(index, 1.0)
+        return self.all_gpus * own
 
     @property
     def slow_link(self) -> bool:
@@ -141,8 +156,11 @@ class FaultState:
 def combine(faults: list[FaultSpec]) -> FaultState:
     speed, ok, hang, crash = 1.0, 1.0, False, False
     delay = jitter = 0.0
+    per_gpu: dict[int, float] = {}
     for f in faults:
-        if f.kind == "throttle":
+        if f.kind == "throttle" and f.gpu_index is not None:
+            per_gpu[f.gpu_index] = per_gpu.get(f.gpu_index, 1.0) * f.factor
+        elif f.kind == "throttle":
             speed *= f.factor
         elif f.kind == "errors":
             ok *= 1.0 - f.rate
@@ -153,4 +171,8 @@ def combine(faults: list[FaultSpec]) -> FaultState:
         elif f.kind == "network":
             delay += f.delay_s
             jitter += f.jitter_s
-    return FaultState(speed, 1.0 - ok, hang, crash, delay, jitter)
+    # A tensor-parallel step waits for its slowest rank: the replica runs at the
+    # pace of its slowest GPU.
+    slowest = min(per_gpu.values(), default=1.0)
+    return FaultState(speed * slowest, 1.0 - ok, hang, crash, delay, jitter,
+                      tuple(sorted(per_gpu.items())), speed)

@@ -230,6 +230,9 @@ class EngineServer:
     def inject(self, spec: FaultSpec, keep: asyncio.BaseTransport | None = None) -> None:
         """Schedule a fault (``spec.at_s`` from now); ``keep`` survives a crash (the caller)."""
         assert self._loop is not None, "start() the server first"
+        if spec.gpu_index is not None and spec.gpu_index >= self.node.tp:
+            raise ConfigError(f"node {self.node.id}: fault.gpu_index",
+                              f"GPU {spec.gpu_index} of a replica of {self.node.tp}")
         entry = _ActiveFault(spec)
         self._faults.append(entry)
         if spec.at_s > 0:
@@ -400,7 +403,7 @@ class EngineServer:
         """A dcgm-exporter page for the node's GPUs, consistent with its faults."""
         if self._down:
             return self._refuse(request)
-        return web.Response(body=dcgm_page(self.node, self._state.speed_factor).encode(),
+        return web.Response(body=dcgm_page(self.node, self._state).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     # ------------------------------------------------------------------ admin
@@ -422,8 +425,11 @@ class EngineServer:
                 if not isinstance(item, dict):
                     raise RequestError(400, f"fault[{i}] must be an object")
                 target = self._target(item.get("node", request.query.get("node")))
-                parsed.append((target, parse_fault({k: v for k, v in item.items() if k != "node"},
-                                                   f"fault[{i}]")))
+                spec = parse_fault({k: v for k, v in item.items() if k != "node"}, f"fault[{i}]")
+                if spec.gpu_index is not None and spec.gpu_index >= target.node.tp:
+                    raise RequestError(400, f"fault[{i}].gpu_index: node {target.node.id} has "
+                                            f"{target.node.tp} GPU(s)", "gpu_index")
+                parsed.append((target, spec))
         except ValueError as exc:  # JSON and ConfigError
             return _error(400, str(exc))
         except RequestError as exc:
@@ -541,10 +547,11 @@ _DCGM_FIELDS = (("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)."),
                 ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered."))
 
 
-def dcgm_page(node: EmulatedNode, speed_factor: float) -> str:
-    """The node's GPUs as dcgm-exporter shows them. A throttle fault slows the
-    replica; here it is GPU 0's doing: a hardware thermal slowdown with its SM
-    clock at the fault's factor, as a hot card in a TP group would look."""
+def dcgm_page(node: EmulatedNode, state: FaultState) -> str:
+    """The node's GPUs as dcgm-exporter shows them, throttled as the faults say:
+    a throttle with ``gpu_index`` is that GPU's hardware thermal slowdown (its SM
+    clock at the fault's factor; the replica runs at its slowest rank's pace), one
+    without it every GPU's."""
     gpu = DEFAULT_CATALOG.gpu(node.gpu, f"node {node.id}: gpu")
     model = next((a for a in gpu.aliases if a.startswith("NVIDIA")), gpu.name)
     max_clock = _MAX_SM_CLOCK.get(gpu.name, 1800)
@@ -553,9 +560,10 @@ def dcgm_page(node: EmulatedNode, speed_factor: float) -> str:
     for name, help_text in _DCGM_FIELDS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for i in range(node.tp):
-            hot = i == 0 and speed_factor < 1.0
+            factor = state.gpu_factor(i)
+            hot = factor < 1.0
             value = {
-                "DCGM_FI_DEV_SM_CLOCK": round(max_clock * (speed_factor if hot else 1.0)),
+                "DCGM_FI_DEV_SM_CLOCK": round(max_clock * factor),
                 "DCGM_FI_DEV_MAX_SM_CLOCK": max_clock,
                 "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": 0x40 if hot else 0,
                 "DCGM_FI_DEV_GPU_TEMP": 91 if hot else 62,
