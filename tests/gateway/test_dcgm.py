@@ -107,6 +107,10 @@ def test_gateway_shows_an_emulated_nodes_gpus_and_names_the_throttled_one() -> N
                                      "1.98 GHz"
                 slow = [g["gpu"] for g in t["gpus"] if g["slowdowns"]]  # type: ignore[index]
                 assert slow == [1]
+                async with s.get(gw.url + "/dashboard/state") as r:  # the dashboard's feed
+                    card = (await r.json())["nodes"][0]
+                assert [g["gpu"] for g in card["gpus"] if g["slowdowns"]] == [1]
+                assert card["gpu_cause"].startswith("GPU 1 of 2")
                 async with s.post(url + "/admin/faults",
                                   json={"kind": "throttle", "factor": 0.5, "gpu_index": 2}) as r:
                     assert r.status == 400  # a replica of two has no GPU 2

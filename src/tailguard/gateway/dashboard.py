@@ -219,6 +219,11 @@ class Dashboard:
             "engine_running": n.engine_running if n.engine_running >= 0 else None,
             "engine_waiting": n.engine_waiting if n.engine_waiting >= 0 else None,
             "kv_usage": round(n.engine_kv_usage, 4) if n.engine_kv_usage >= 0 else None,
+            # From the node's DCGM page (dcgm_url), when it has one.
+            "gpus": [{"gpu": g.index, "temp_c": g.temp_c, "clock_ratio": g.clock_ratio,
+                      "fb_used_mib": g.fb_used_mib, "slowdowns": g.slowdowns()}
+                     for g in mon.gpus] if mon is not None else [],
+            "gpu_cause": mon.gpu_cause() if mon is not None else None,
         }
 
 
