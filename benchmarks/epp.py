@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
+from gateway_overhead import cpu_s, free_port  # this folder's: run as a script
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import summarize
@@ -56,17 +56,6 @@ INPUT = {"dist": "lognormal", "mu": 6.0, "sigma": 0.7, "max": 4096}
 OUTPUT = {"dist": "uniform", "min": 16, "max": 128}
 SLO = Slo(ttft_s=1.0, tpot_s=0.08)
 ENVOY = Path(sys.executable).parent / "envoy"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -14,7 +14,10 @@ clock: ``now`` comes with every event. In the style of h11::
 
 Events: :meth:`arrive`, :meth:`queue_decision` (the balancer's queue placed
 or shed it), :meth:`sent`, :meth:`first_chunk`, :meth:`failed` (with the
-failure's origin), :meth:`finished`, :meth:`timer` and :meth:`client_gone`.
+failure's origin), :meth:`finished`, :meth:`timer` and :meth:`client_gone`;
+for a driver whose data plane retries by itself (the endpoint picker),
+:meth:`fallbacks` (the retry order, up front) and :meth:`redirected` (the data
+plane moved the request down that list).
 Actions: :class:`Dispatch` a copy to a node (its ticket holds the permit),
 :class:`Queue` (wait for :meth:`queue_decision`), :class:`Cancel` a copy,
 :class:`ArmTimer`, and the two endings that answer the client with an

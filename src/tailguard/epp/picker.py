@@ -86,12 +86,12 @@ from tailguard.core.exchange import (
     Request,
 )
 from tailguard.core.fleet import Outcome
-from tailguard.gateway.admission_gate import TTFT_HEADER, AdmissionGate, ttft_budget
+from tailguard.gateway.admission_gate import TTFT_HEADER, AdmissionGate, shed_error, ttft_budget
 from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_body
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import CLIENT_CLOSED
 from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
-from tailguard.gateway.openai_request import PATHS, InvalidRequest, RoutedRequest, parse_request
+from tailguard.gateway.openai_request import PATHS, InvalidRequest, parse_request
 from tailguard.gateway.proxy import PRIORITY_HEADER, bearer_ok, priority_of
 from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 
@@ -228,7 +228,6 @@ class _Exchange:
         self.headers: dict[str, str] = {}
         self.duplex = False  # body streamed both ways: the headers reply waits for its end
         self.body = bytearray()
-        self.req: RoutedRequest | None = None
         self.ex: Exchange | None = None
         self.copy: Copy | None = None  # the copy the data plane is running
         self.endpoints: list[str] = []  # the list handed to the data plane
@@ -238,7 +237,7 @@ class _Exchange:
         self.tail = b""
         self.t_first = 0.0
         self.counted = False
-        self.first: pb.ProcessingRequest | None = None  # the message with the subset hint
+        self.subset: list[str] | None = None  # the data plane's subset hint (endpoints)
 
     # -- messages ------------------------------------------------------------------
 
@@ -261,7 +260,7 @@ class _Exchange:
 
     def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.headers = _headers(msg.request_headers)
-        self.first = msg  # the subset hint comes with the first message
+        self.subset = _metadata(msg, SUBSET_NAMESPACE, SUBSET)  # it comes with the headers
         self.duplex = (msg.HasField("protocol_config")
                        and msg.protocol_config.request_body_mode == _DUPLEX)
         if msg.request_headers.end_of_stream:
@@ -304,9 +303,8 @@ class _Exchange:
             served = ", ".join(fleet.served_models()[:20])
             return self._refuse(UNKNOWN_POOL, 404, f"the model {req.model!r} does not exist "
                                 f"(served: {served})", "model_not_found", param="model")
-        self.req = req
         exclude: tuple[str, ...] = ()
-        subset = _metadata(self.first, SUBSET_NAMESPACE, SUBSET) if self.first else None
+        subset = self.subset
         if subset is not None:
             allowed = {fleet.endpoints().get(e) for e in subset}
             pool = fleet.balancer.pools[req.model]
@@ -325,23 +323,21 @@ class _Exchange:
     def _carry_out(self, actions: tuple[Action, ...]) -> list[pb.ProcessingResponse] | None:
         """The exchange's first actions: route, wait in the queue, or refuse."""
         ex = self.ex
-        req = self.req
-        assert ex is not None and req is not None
+        assert ex is not None
+        model = ex.request.model
         for a in actions:
             if type(a) is Dispatch:
                 return self._dispatch(a.copy)
             if type(a) is Queue:
                 return None
             if type(a) is Refuse:
-                shed = a.shed
-                self.picker.metrics.shed_request(req.model, shed.reason)
-                return self._refuse(req.model, 429, f"{shed.message} for {req.model!r}; "
-                                    "retry later", f"shed_{shed.reason}",
-                                    {"retry-after": str(int(shed.retry_after_s))})
+                self.picker.metrics.shed_request(model, a.shed.reason)
+                message, code, retry_after = shed_error(a.shed, model)
+                return self._refuse(model, 429, message, code, {"retry-after": retry_after})
             if type(a) is Fail:
                 f = a.failure
                 extra = {"retry-after": f.retry_after} if f.retry_after else None
-                return self._refuse(req.model, f.status, f.message, f.code, extra)
+                return self._refuse(model, f.status, f.message, f.code, extra)
         raise AssertionError(f"the exchange left nothing to do: {actions!r}")
 
     async def queued(self) -> list[pb.ProcessingResponse]:

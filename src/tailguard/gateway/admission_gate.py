@@ -86,9 +86,14 @@ class AdmissionGate:
 
 def shed_response(shed: Shed, model: str) -> web.Response:
     """429 with ``Retry-After`` and the OpenAI error shape."""
-    return error_response(429, f"{shed.message} for {model!r}; retry later",
-                          f"shed_{shed.reason}",
-                          headers={"Retry-After": str(int(shed.retry_after_s))})
+    message, code, retry_after = shed_error(shed, model)
+    return error_response(429, message, code, headers={"Retry-After": retry_after})
+
+
+def shed_error(shed: Shed, model: str) -> tuple[str, str, str]:
+    """A shed's error message, code and ``Retry-After`` value (the proxy's and the picker's)."""
+    return (f"{shed.message} for {model!r}; retry later", f"shed_{shed.reason}",
+            str(int(shed.retry_after_s)))
 
 
 def ttft_header(request: web.Request) -> float | None:

@@ -25,7 +25,7 @@ are read as missing, never as a temperature. Throttle bits follow NVML's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,7 +73,6 @@ class GpuTelemetry:
     fb_free_mib: float | None = None
     util_pct: float | None = None
     xid: int | None = None
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def clock_ratio(self) -> float | None:

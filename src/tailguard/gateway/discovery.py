@@ -74,10 +74,8 @@ class KubernetesDiscovery:
         self.cfg = cfg
         self.nodes: set[str] = set()  # node ids this discovery added
         self.drained: set[str] = set()  # ... and drained while not Ready
-        self._gpu_of_node: dict[str, tuple[str | None, int | None]] = {}
+        self._gpu_of_node: dict[str, str | None] = {}  # Kubernetes node -> GFD product
         self._task: asyncio.Task[None] | None = None
-        self.synced = asyncio.Event()  # the first list is applied
-        self.relists = 0
         self.port: int | str = cfg.port
         self._api: Any = None
 
@@ -117,9 +115,7 @@ class KubernetesDiscovery:
                     if cfg.inference_pool is not None:
                         selector, self.port = await self._pool(custom)
                     pods = await api.list_namespaced_pod(cfg.namespace, label_selector=selector)
-                    self.relists += 1
                     await self._reconcile(pods.items)
-                    self.synced.set()
                     version = pods.metadata.resource_version
                     if failures:
                         log.info("discovery: the API server answers again")
@@ -253,8 +249,8 @@ class KubernetesDiscovery:
             except Exception as exc:  # no RBAC for nodes, or no such node
                 log.warning("discovery: cannot read node %s (%s); annotate pods with %s",
                             node_name, exc, GPU_ANNOTATION)
-            self._gpu_of_node[node_name] = (gpu, None)
-        return self._gpu_of_node[node_name][0]
+            self._gpu_of_node[node_name] = gpu
+        return self._gpu_of_node[node_name]
 
 
 async def _served_models(url: str, timeout_s: float = 2.0) -> list[str]:
