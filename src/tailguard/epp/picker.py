@@ -157,10 +157,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """``ExternalProcessor/Process``: one :class:`_Exchange` per ext_proc stream."""
 
     def __init__(self, fleet: LiveFleet, metrics: GatewayMetrics,
-                 objectives: dict[str, int] | None = None) -> None:
+                 objectives: dict[str, int] | None = None,
+                 gate: AdmissionGate | None = None) -> None:
         self.fleet = fleet
         self.metrics = metrics
-        self.gate = AdmissionGate(fleet, metrics)
+        # The pump of the pools' queues: the proxy's own where both run on one fleet.
+        self.gate = gate or AdmissionGate(fleet, metrics)
         self.objectives = {**OBJECTIVES, **{k.lower(): v for k, v in (objectives or {}).items()}}
         self.exchange_type: type[Exchange] = Exchange  # tests put a tracing one here
         self.streams = 0  # open ext_proc streams (a gauge for tests and the admin view)

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from tailguard.epp.picker import SERVICE, EndpointPicker
-from tailguard.gateway.app import RunningGateway, start_gateway
+from tailguard.gateway.app import PROXY, RunningGateway, start_gateway
 from tailguard.gateway.config import FleetConfig
 
 log = logging.getLogger("tailguard.epp")
@@ -73,7 +73,7 @@ async def start_epp(config: FleetConfig, grpc_port: int = 9002, health_port: int
     """Start the picker (port 0: a free one, for each of the three)."""
     gw = await start_gateway(config, http_host, http_port, rng)
     try:
-        picker = EndpointPicker(gw.fleet, gw.metrics, objectives)
+        picker = EndpointPicker(gw.fleet, gw.metrics, objectives, gw.app[PROXY].gate)
         # A buffered body comes in one message: room for the largest the fleet accepts.
         size = config.max_body_bytes + (1 << 20)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
