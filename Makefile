@@ -14,19 +14,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) sysdeps
 
-# Debian packages the Prometheus and headless-browser tests run: installed when
+# Debian packages the Prometheus, headless-browser and shared-state (Redis) tests run: installed when
 # a binary is missing and root can apt-get; otherwise those tests skip, saying why.
-SYSDEPS_BINS := prometheus promtool chromium chromedriver
+SYSDEPS_BINS := prometheus promtool chromium chromedriver redis-server
 sysdeps:
 	@missing=""; for b in $(SYSDEPS_BINS); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "sysdeps: installing prometheus chromium chromium-driver (missing:$$missing)"; \
+	    echo "sysdeps: installing prometheus chromium chromium-driver redis-server (missing:$$missing)"; \
 	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-	      prometheus chromium chromium-driver) \
-	      || echo "sysdeps: apt-get failed; the Prometheus/Chromium tests will skip"; \
+	      prometheus chromium chromium-driver redis-server) \
+	      || echo "sysdeps: apt-get failed; the Prometheus/Chromium/Redis tests will skip"; \
 	  else \
-	    echo "sysdeps: missing$$missing and no root apt-get; the Prometheus/Chromium tests will skip"; \
+	    echo "sysdeps: missing$$missing and no root apt-get; the Prometheus/Chromium/Redis tests will skip"; \
 	  fi; \
 	fi
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from random import Random
 from typing import Any
 
+from tailguard.core import shared
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.events import Event as Event  # re-exported: drivers import it here
 from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
@@ -33,6 +34,7 @@ from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
 from tailguard.core.predict import decode_step_s, prefill_s, running_batch
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
+from tailguard.core.shared import merged_speed
 from tailguard.errors import ConfigError
 
 # When the pool's model (or a node's GPU) is not in the catalog, the prior has
@@ -97,8 +99,8 @@ class Ticket:
         self.prompt_tokens = prompt_tokens
         self.t_dispatch = now
         self.t_first = -1.0
-        self.ahead_tokens = node.prefill_backlog
-        self.batch_at_dispatch = node.in_flight + 1
+        self.ahead_tokens = node.fleet_backlog
+        self.batch_at_dispatch = node.fleet_in_flight + 1
         self.batch_at_first = 0
         self.pending_prefill = False  # its prefill sample waits for the cached-token count
         self.presumed = False  # prompt counted as prefilled without a first token
@@ -197,6 +199,7 @@ class Balancer:
         self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
         # (node, sequences decoding, context / 64) -> the TPOT target's prefill chunk
         self._chunk_cache: dict[tuple[str, int, int], int] = {}
+        self._ledger = shared.PeerLedger()  # the other replicas' last counters
         # Called (no arguments) when queue decisions await poll_queue: lets an
         # event-loop driver wake its queued requests without polling.
         self.on_queue_decision: Callable[[], None] | None = None
@@ -407,7 +410,7 @@ class Balancer:
             self.recorder(rec)
         node = ticket.node
         ticket.t_first = now
-        ticket.batch_at_first = node.in_flight
+        ticket.batch_at_first = node.fleet_in_flight
         if not ticket.presumed:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.prompt_tokens
@@ -500,7 +503,7 @@ class Balancer:
             if output_tokens < MIN_DECODE_TOKENS:
                 return
             batch = running_batch(node.perf, node.slots,
-                                  max(1, (ticket.batch_at_first + node.in_flight + 1) // 2),
+                                  max(1, (ticket.batch_at_first + node.fleet_in_flight + 1) // 2),
                                   pool.mean_prompt + pool.mean_output)
             ctx = pool.mean_prompt + pool.mean_output * 0.5
             expected_step = decode_step_s(node.perf, batch, ctx)
@@ -719,7 +722,7 @@ class Balancer:
             # The reserve is a number of permits sized on the limit the node
             # is headed for, so it does not shrink while slow start ramps.
             full = (lim is not None and share < 1.0
-                    and lim.inflight >= lim.limit - (1.0 - share) * lim.ceiling)
+                    and lim.inflight >= lim.allowed - (1.0 - share) * lim.ceiling)
             if full or self._backlog_prefill_s(pool, n, prompt_tokens) > budget:
                 if out is None:
                     out = list(exclude)
@@ -743,9 +746,10 @@ class Balancer:
         ``ceil(tokens / chunk)`` such steps. The slowdown learned from a cold
         node's first wave (prefilled alone, no decodes) cannot see this.
         """
-        tokens = n.prefill_backlog + prompt_tokens
-        t = prefill_s(n.perf, n.prefill_backlog, prompt_tokens) * n.class_prefill_slowdown
-        decoding = n.in_flight - n.prefilling
+        backlog = n.fleet_backlog
+        tokens = backlog + prompt_tokens
+        t = prefill_s(n.perf, backlog, prompt_tokens) * n.class_prefill_slowdown
+        decoding = n.fleet_in_flight - n.prefilling
         if decoding <= 0:
             return t
         cfg = pool.config
@@ -854,6 +858,21 @@ class Balancer:
         node.engine_kv_usage = kv_usage
         node.engine_metrics_at = now
 
+    def on_peers(self, now: float, reports: Mapping[str, Mapping[str, Any]],
+                 leader: bool) -> list[Event]:
+        """The other gateway replicas' latest reports (``core/shared.py``); ``leader``: this
+        replica decides node states. Returns the state changes taken from the leader."""
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "peers", "reports": reports, "leader": leader})
+        events = shared.merge(self, now, reports, leader, self._ledger)
+        if events and self.recorder is not None:
+            self.recorder({"t": now, "op": "events", "events": [event_to_dict(e) for e in events]})
+        return events
+
+    def report(self, now: float, leader: bool) -> dict[str, Any]:
+        """What this replica tells the others (``core/shared.py``); changes nothing."""
+        return shared.report(self, now, leader)
+
     def tick(self, now: float) -> list[Event]:
         """Periodic work; returns the events it produced (state changes)."""
         if self.recorder is None:
@@ -879,12 +898,15 @@ class Balancer:
         sums: dict[str, list[float]] = {}
         for node in self.nodes.values():
             acc = sums.setdefault(node.spec.gpu_class, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-            acc[0] += node.capacity.decode.log_ratio
-            acc[1] += node.capacity.prefill.log_ratio
+            d, p = node.capacity.decode.log_ratio, node.capacity.prefill.log_ratio
+            if node.remote_speed is not None:  # other replicas' estimates too (core/shared.py)
+                d, p = merged_speed(node.capacity, node.remote_speed)
+            acc[0] += d
+            acc[1] += p
             acc[2] += 1.0
             if node.state is NodeState.HEALTHY:
-                acc[3] += node.capacity.decode.log_ratio
-                acc[4] += node.capacity.prefill.log_ratio
+                acc[3] += d
+                acc[4] += p
                 acc[5] += 1.0
         for node in self.nodes.values():
             d, p, n, hd, hp, hn = sums[node.spec.gpu_class]

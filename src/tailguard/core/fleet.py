@@ -102,6 +102,10 @@ class NodeView(Protocol):
     @property
     def prefill_backlog(self) -> int: ...
     @property
+    def fleet_in_flight(self) -> int: ...
+    @property
+    def fleet_backlog(self) -> int: ...
+    @property
     def decoding(self) -> int: ...
     @property
     def slots(self) -> int: ...
@@ -141,6 +145,9 @@ class Node:
         "prefill_tokens_total",
         "prefilling",
         "presumed_cache_hits",
+        "remote_backlog",
+        "remote_in_flight",
+        "remote_speed",
         "slots",
         "spec",
         "state",
@@ -160,6 +167,13 @@ class Node:
         self.prefilling = 0
         self.prefill_backlog = 0
         self.decoding = 0
+        # What the other gateway replicas have on this node, as they last
+        # published it (core/shared.py); 0 with one gateway.
+        self.remote_in_flight = 0
+        self.remote_backlog = 0
+        # The others' learned slowdowns, as (sum of decode log-ratio x weight,
+        # decode weight, the same for prefill); None: no other replica knows.
+        self.remote_speed: tuple[float, float, float, float] | None = None
         self.dispatched_total = 0
         self.prefill_tokens_total = 0  # prompt tokens ever dispatched here
         # First tokens too fast for the node's speed with no cached-token count
@@ -179,6 +193,16 @@ class Node:
         self.engine_metrics_at = -1.0
         # Concurrency limit when a pool of the node has limits (core/limits.py).
         self.limiter: Limiter | None = None
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests on the node from every gateway replica: this one's exact count plus the others'."""
+        return self.in_flight + self.remote_in_flight
+
+    @property
+    def fleet_backlog(self) -> int:
+        """Prompt tokens waiting for their first token on the node, from every replica."""
+        return self.prefill_backlog + self.remote_backlog
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -337,7 +337,8 @@ def _quantile(values: list[float], q: float) -> float:
 class Limiter:
     """One node's permits under its :class:`Limit`; counts how each permit ended."""
 
-    __slots__ = ("algorithm", "dropped", "ignored", "inflight", "kv_full", "successes")
+    __slots__ = ("algorithm", "dropped", "ignored", "inflight", "kv_full", "remote", "share",
+                 "successes")
 
     def __init__(self, algorithm: Limit, kv_full: float = 0.95) -> None:
         self.algorithm = algorithm
@@ -346,21 +347,34 @@ class Limiter:
         self.successes = 0
         self.ignored = 0
         self.dropped = 0
+        # With several gateway replicas (core/shared.py): this replica's share
+        # of the node's limit, and the permits the others hold on the node.
+        self.share = 1.0
+        self.remote = 0
 
     @property
     def limit(self) -> int:
+        """The node's limit, all replicas together."""
         return self.algorithm.limit
 
+    @property
+    def allowed(self) -> int:
+        """The permits this replica may hold: its share of the limit (the whole with one)."""
+        share = self.share
+        if share >= 1.0:
+            return self.algorithm.limit
+        return max(1, round(self.algorithm.limit * share))
+
     def has_room(self) -> bool:
-        return self.inflight < self.algorithm.limit
+        return self.inflight < self.allowed
 
     @property
     def ceiling(self) -> float:
-        """The limit the node is headed for: the slow-start threshold while in slow start."""
+        """This replica's share of the limit the node is headed for (slow start's threshold)."""
         alg = self.algorithm
         if isinstance(alg, GradientLimit) and alg.ssthresh > 0.0:
-            return alg.ssthresh
-        return float(alg.limit)
+            return alg.ssthresh * min(self.share, 1.0)
+        return float(self.allowed)
 
     def acquire(self) -> None:
         self.inflight += 1
@@ -372,7 +386,7 @@ class Limiter:
         ``congested`` (the engine reports a queue with a nearly full KV cache)
         turns a success into a drop signal for the algorithm.
         """
-        inflight = self.inflight
+        inflight = self.inflight + self.remote  # the batch the node ran, every replica's
         self.inflight -= 1
         if ending == "success":
             self.successes += 1

@@ -154,20 +154,34 @@ class PoolView(Protocol):
 
 
 class _Kind:
-    """One interval's samples of one kind (prefill or decode) on one node."""
+    """One interval's samples of one kind (prefill or decode) on one node.
 
-    __slots__ = ("n", "total")
+    ``own_n``/``own_total`` count this driver's own samples since it started,
+    never reset: what a gateway replica publishes for the others to pool
+    (core/shared.py); :meth:`absorb` adds theirs to the interval only.
+    """
+
+    __slots__ = ("n", "own_n", "own_total", "total")
 
     def __init__(self) -> None:
         self.n = 0
         self.total = 0.0
+        self.own_n = 0
+        self.own_total = 0.0
 
     def add(self, observed: float, expected: float) -> None:
         if observed <= 0.0 or expected <= 0.0:
             return
         x = math.log(observed / expected)
-        self.total += _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
+        x = _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
+        self.total += x
         self.n += 1
+        self.own_total += x
+        self.own_n += 1
+
+    def absorb(self, n: int, total: float) -> None:
+        self.n += n
+        self.total += total
 
     def mean(self, min_samples: int) -> float | None:
         return self.total / self.n if self.n >= min_samples else None
@@ -192,8 +206,11 @@ class NodeHealth:
         "history",
         "known_state",
         "last_progress",
+        "own_failures",
+        "own_requests",
         "prefill",
         "probation_since",
+        "reason",
         "requests",
         "slowness",
         "state_seconds",
@@ -206,6 +223,9 @@ class NodeHealth:
         self.decode = _Kind()
         self.requests = 0
         self.failures = 0
+        self.own_requests = 0  # this driver's own, never reset (see _Kind)
+        self.own_failures = 0
+        self.reason = ""  # why the node is in its state (the last transition's reason)
         # (requests, failures) of the last failure_window intervals, current excluded.
         self.window: deque[tuple[int, int]] = deque()
         self.consecutive_failures = 0
@@ -247,6 +267,10 @@ class OutlierDetector:
         self._next_eval = -1.0
         self._nominal: dict[str, float] = {}
         self.on_probation = 0  # nodes on probation now: the request path checks it first
+        # False on a gateway replica that follows another's decisions
+        # (core/shared.py): it keeps pooling samples and learning each node's
+        # history, so it can take over, but changes no state itself.
+        self.authority = True
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
@@ -284,11 +308,36 @@ class OutlierDetector:
         h.last_progress = now
         if outcome is Outcome.OK:
             h.requests += 1
+            h.own_requests += 1
             h.consecutive_failures = 0
         elif outcome.is_node_failure:
             h.requests += 1
             h.failures += 1
+            h.own_requests += 1
+            h.own_failures += 1
             h.consecutive_failures += 1
+
+    def absorb(self, node_id: str, prefill: tuple[int, float], decode: tuple[int, float],
+               requests: int, failures: int, tail_failures: int) -> None:
+        """Samples and outcomes another gateway replica saw on the node since it last said.
+
+        They join the current interval as if seen here (so detection pools
+        every replica's samples); ``tail_failures`` is the replica's run of
+        node failures since its last success on the node, which continues
+        this one's run when every outcome it reports is a failure.
+        """
+        h = self.health.get(node_id)
+        if h is None:
+            return
+        h.prefill.absorb(*prefill)
+        h.decode.absorb(*decode)
+        h.requests += requests
+        h.failures += failures
+        if failures:
+            if requests > failures:  # a success among them: the run is the replica's
+                h.consecutive_failures = max(h.consecutive_failures, tail_failures)
+            else:
+                h.consecutive_failures += failures
 
     def forget(self, node_id: str) -> None:
         h = self.health.pop(node_id, None)
@@ -303,6 +352,9 @@ class OutlierDetector:
         cfg = self.config
         events: list[Event] = []
         pool_list = list(pools)
+        if not self.authority:
+            self._follow(now, nodes)
+            return events
         for node in nodes.values():
             h = self._rec(node, now)
             self._observe_state(node, h, now)
@@ -323,6 +375,56 @@ class OutlierDetector:
                 self._evaluate(now, nodes, pool_list, rng, events)
             self._next_eval = now + cfg.interval_s
         return events
+
+    def _follow(self, now: float, nodes: Mapping[str, Node]) -> None:
+        """A follower's tick: intervals close and histories learn; states are the leader's."""
+        for node in nodes.values():
+            self._observe_state(node, self._rec(node, now), now)
+        if now < self._next_eval:
+            return
+        if self._next_eval >= 0.0:
+            verdicts = self.verdicts(nodes)
+            for node in nodes.values():
+                h = self.health[node.id]
+                v = verdicts.get(node.id)
+                h.window.append((h.requests, h.failures))
+                if len(h.window) > self.config.failure_window:
+                    h.window.popleft()
+                if v is not None:
+                    h.slowness = v.slowness
+                self._learn_history(node, h, v)
+                h.prefill.reset()
+                h.decode.reset()
+                h.requests = h.failures = 0
+        self._next_eval = now + self.config.interval_s
+
+    def adopt(self, node: Node, state: NodeState, weight_scale: float, ejections: int,
+              eject_in_s: float, reason: str, now: float, pools: Iterable[PoolView],
+              events: list[Event]) -> None:
+        """The leading replica's decision about ``node``: taken as this detector's own.
+
+        A follower that later leads (its leader gone) carries on from it:
+        the quarantine ends when the leader's would, and a node ejected
+        again backs off from the leader's count.
+        """
+        h = self._rec(node, now)
+        self._observe_state(node, h, now)
+        h.ejections = ejections
+        h.eject_until = now + eject_in_s if state is NodeState.QUARANTINED else math.inf
+        node.weight_scale = weight_scale
+        if state is not node.state:
+            if state is NodeState.PROBATION:
+                h.probation_since = now
+            self._set(node, h, state, now, list(pools), events, reason)
+            node.weight_scale = weight_scale
+
+    def decision(self, node_id: str, now: float) -> tuple[int, float, str] | None:
+        """What a leader publishes of a node's lifecycle: ejections, seconds left, reason."""
+        h = self.health.get(node_id)
+        if h is None:
+            return None
+        left = h.eject_until - now if h.eject_until != math.inf else 0.0
+        return h.ejections, max(0.0, left), h.reason
 
     def _observe_state(self, node: Node, h: NodeHealth, now: float) -> None:
         """Account time per state, and notice changes made outside the detector."""
@@ -500,6 +602,7 @@ class OutlierDetector:
             self.on_probation += 1
         node.state = state
         h.known_state = state
+        h.reason = reason
         if state is NodeState.HEALTHY:
             node.weight_scale = 1.0
             h.flagged_streak = h.clean_streak = 0

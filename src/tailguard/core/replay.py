@@ -150,6 +150,10 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
         elif op == "tick":
             out.decisions += 1
             pending = (i, rec["t"], [event_to_dict(e) for e in balancer.tick(rec["t"])])
+        elif op == "peers":
+            out.decisions += 1
+            adopted = balancer.on_peers(rec["t"], rec["reports"], rec["leader"])
+            pending = (i, rec["t"], [event_to_dict(e) for e in adopted])
         else:
             raise ValueError(f"record {i}: unknown op {op!r}")
     settle([])

@@ -27,6 +27,6 @@ class LeastRequest:
         best: NodeView | None = None
         best_load = 1 << 62
         for n in nodes:
-            if n.in_flight < best_load:
-                best, best_load = n, n.in_flight
+            if n.fleet_in_flight < best_load:
+                best, best_load = n, n.fleet_in_flight
         return best.id if best else None

@@ -40,4 +40,4 @@ class PowerOfTwo:
         if not nodes:
             return None
         a, b = sample_two(nodes, rng)
-        return (a if a.in_flight <= b.in_flight else b).id
+        return (a if a.fleet_in_flight <= b.fleet_in_flight else b).id

@@ -33,6 +33,6 @@ class PeakEwmaP2C:
         if not nodes:
             return None
         a, b = sample_two(nodes, rng)
-        la = a.latency.decayed(now) * (a.in_flight + 1)
-        lb = b.latency.decayed(now) * (b.in_flight + 1)
+        la = a.latency.decayed(now) * (a.fleet_in_flight + 1)
+        lb = b.latency.decayed(now) * (b.fleet_in_flight + 1)
         return (a if la <= lb else b).id

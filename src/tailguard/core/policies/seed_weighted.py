@@ -38,7 +38,7 @@ class SeedWeighted:
         for n in nodes:
             spec = n.spec
             weight = spec.weight if spec.weight is not None else seed_weight(spec.gpu_class)
-            score = weight / max(n.in_flight, 0.1)
+            score = weight / max(n.fleet_in_flight, 0.1)
             if score > best_score:  # strict: the first registered wins a tie
                 best, best_score = n, score
         return best.id if best else None

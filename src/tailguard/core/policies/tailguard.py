@@ -122,12 +122,12 @@ class TailguardPolicy:
         best = float("inf")
         for n in cands:
             perf = n.perf
-            batch = n.in_flight + 1
+            batch = n.fleet_in_flight + 1
             running = running_batch(perf, n.slots, batch, footprint)
             tpot = decode_step_s(perf, running, ctx) * n.class_decode_slowdown
             pslow = n.class_prefill_slowdown
-            ttft = prefill_s(perf, n.prefill_backlog, prompt) * pslow + tpot
-            wait = n.prefill_backlog * prefill_token_s(perf) * pslow
+            ttft = prefill_s(perf, n.fleet_backlog, prompt) * pslow + tpot
+            wait = n.fleet_backlog * prefill_token_s(perf) * pslow
             if batch > running:
                 # Queued in the engine: wait for (batch - running) of the running
                 # requests to finish; they complete at about running per service time.

@@ -1,0 +1,134 @@
+"""Several replicas' balancers exchanging reports (core/shared.py), with no I/O."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.core.limits import LimitConfig
+from tailguard.core.replay import replay
+
+MODEL = "llama-3.1-8b"
+
+
+def specs(n: int, gpu: str = "A100") -> list[NodeSpec]:
+    return [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(gpu), gpu, models=(MODEL,)) for i in range(n)]
+
+
+def exchange(replicas: dict[str, Balancer], now: float, leader: str | None) -> list[Any]:
+    """Every replica publishes, then takes in the others' reports (JSON round trip, as Redis)."""
+    reports = {r: json.loads(json.dumps({**b.report(now, r == leader), "epoch": 1}))
+               for r, b in replicas.items()}
+    events = []
+    for r, b in replicas.items():
+        events += b.on_peers(now, {o: rep for o, rep in reports.items() if o != r}, r == leader)
+    return events
+
+
+def test_the_others_in_flight_steer_routing_and_expire() -> None:
+    a = Balancer(specs(2), [PoolConfig(MODEL, "least_request")], random.Random(0))
+    b = Balancer(specs(2), [PoolConfig(MODEL, "least_request")], random.Random(1))
+    held = [b.take(MODEL, "n0", 100, 0.0) for _ in range(5)]
+    assert all(t is not None for t in held)
+    exchange({"a": a, "b": b}, 0.1, "a")
+    assert a.nodes["n0"].remote_in_flight == 5 and a.nodes["n0"].fleet_in_flight == 5
+    got = [t.node_id for t in (a.pick(MODEL, 100, 0.2 + i * 0.01) for i in range(5)) if t]
+    assert got == ["n1"] * 5  # n0 carries b's five
+    # b's report stops coming (its TTL ran out in the driver): its share is gone
+    a.on_peers(1.0, {}, True)
+    assert a.nodes["n0"].fleet_in_flight == 0
+
+
+def test_limit_shares_follow_demand_and_sum_to_the_limit() -> None:
+    pool = PoolConfig(MODEL, "least_request", limits=LimitConfig(kind="fixed", initial=12))
+    a = Balancer(specs(1), [pool], random.Random(0))
+    b = Balancer(specs(1), [pool], random.Random(1))
+    lim_a, lim_b = a.nodes["n0"].limiter, b.nodes["n0"].limiter
+    assert lim_a is not None and lim_b is not None
+    assert lim_a.allowed == 12  # alone: the whole limit
+    exchange({"a": a, "b": b}, 0.0, "a")
+    assert lim_a.allowed == lim_b.allowed == 6  # idle alike: halves
+    for i in range(6):
+        assert a.pick(MODEL, 10, 0.1 + i * 0.01) is not None
+    assert a.pick(MODEL, 10, 0.2) is None  # its share is full
+    exchange({"a": a, "b": b}, 0.3, "a")
+    # a's demand (6 in flight) against b's none: (6+1)/(6+1+0+1) of 12
+    assert (lim_a.allowed, lim_b.allowed) == (10, 2)
+    assert lim_a.allowed + lim_b.allowed <= 12
+
+
+def drive(replicas: list[Balancer], seconds: float, slow_node: str, period: float = 0.25,
+          names: list[str] | None = None) -> dict[str, float]:
+    """Requests every 0.05 s spread round robin over ``replicas``; ``slow_node`` 4x slow.
+
+    Reports are exchanged every ``period`` when there are several. Returns, per
+    replica, when it first saw the slow node degraded or quarantined.
+    """
+    names = names or [f"r{i}" for i in range(len(replicas))]
+    by_name = dict(zip(names, replicas, strict=True))
+    seen: dict[str, float] = {}
+    next_sync = 0.0
+    now = 0.0
+    step = 0
+    while now < seconds:
+        now = step * 0.05
+        b = replicas[step % len(replicas)]
+        t = b.pick(MODEL, 500, now)
+        assert t is not None
+        slow = 4.0 if t.node_id == slow_node else 1.0
+        b.on_first_token(t, now + 0.05 * slow)
+        b.on_finish(t, now + 0.05 * slow + 50 * 0.01 * slow, Outcome.OK, 51)
+        if step % 2 == 0:
+            for r in replicas:
+                r.tick(now)
+        if len(replicas) > 1 and now >= next_sync:
+            exchange(by_name, now, names[0])
+            next_sync = now + period
+        for name, r in by_name.items():
+            if name not in seen and r.nodes[slow_node].state is not NodeState.HEALTHY:
+                seen[name] = now
+        step += 1
+    return seen
+
+
+def test_pooled_samples_detect_as_fast_as_one_gateway_and_followers_obey() -> None:
+    def make(seed: int) -> Balancer:
+        return Balancer(specs(4), [PoolConfig(MODEL, "round_robin")], random.Random(seed))
+
+    alone = drive([make(0)], 40.0, "n3")["r0"]
+    three = drive([make(0), make(1), make(2)], 40.0, "n3")
+    assert set(three) == {"r0", "r1", "r2"}
+    assert three["r0"] <= 1.5 * alone  # the leader, on everyone's samples
+    assert max(three["r1"], three["r2"]) <= three["r0"] + 0.5  # followers within two syncs
+
+
+def test_only_the_leader_decides_and_a_follower_takes_over() -> None:
+    reps = {n: Balancer(specs(4), [PoolConfig(MODEL, "round_robin")], random.Random(i))
+            for i, n in enumerate(("a", "b"))}
+    drive(list(reps.values()), 40.0, "n3", names=["a", "b"])
+    a, b = reps["a"], reps["b"]
+    assert a.outliers is not None and b.outliers is not None
+    assert a.outliers.authority and not b.outliers.authority
+    assert b.nodes["n3"].state is a.nodes["n3"].state
+    # a quarantined n3 and b follows, with the leader's count of ejections
+    assert a.outliers.detected_ejections >= 1 and b.outliers.detected_ejections == 0
+    assert b.outliers.health["n3"].ejections == a.outliers.health["n3"].ejections
+    # a is gone: b hears from no leader and decides again
+    b.on_peers(100.0, {}, False)
+    assert b.outliers.authority
+
+
+def test_a_recording_with_peer_reports_replays_exactly() -> None:
+    rec: list[dict[str, Any]] = []
+    a = Balancer(specs(4), [PoolConfig(MODEL, "round_robin")], random.Random(0),
+                 recorder=lambda r: rec.append(json.loads(json.dumps(r))))
+    b = Balancer(specs(4), [PoolConfig(MODEL, "round_robin")], random.Random(1))
+    drive([b, a], 30.0, "n2", names=["b", "a"])  # b leads, a follows
+    assert any(r["op"] == "peers" for r in rec)
+    assert any(r["op"] == "events" for r in rec)  # a adopted b's decisions
+    out = replay(rec)
+    assert out.differences == []
