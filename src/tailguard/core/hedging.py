@@ -129,6 +129,7 @@ class Hedger:
     def __init__(self, config: HedgeConfig) -> None:
         self.config = config
         self.credit = 1.0
+        self.lent = 0.0  # what this replica may borrow of the others' credit (shared state)
         self.requests = 0
         self.hedges = 0
         self.wins = 0  # hedges whose copy produced the first token first
@@ -201,8 +202,8 @@ class Hedger:
         return now - self._progress.get(node_id, -1e18) >= after
 
     def try_hedge(self) -> bool:
-        """Spend one credit for a hedge, if there is one."""
-        if self.credit < 1.0:
+        """Spend one credit for a hedge, if there is one (borrowed ones included)."""
+        if self.credit + self.lent < 1.0:
             return False
         self.credit -= 1.0
         self.hedges += 1

@@ -38,13 +38,16 @@ class RetryConfig:
 
 
 class RetryBudget:
-    __slots__ = ("_t", "balance", "cap", "min_per_s", "ratio", "reserve")
+    __slots__ = ("_t", "balance", "cap", "lent", "min_per_s", "ratio", "reserve")
 
     def __init__(self, ratio: float, min_per_s: float, cap: float = 1000.0) -> None:
         self.ratio = ratio
         self.min_per_s = min_per_s
         self.cap = cap
         self.balance = 0.0
+        # What this gateway replica may borrow of the others' balance (set by the
+        # shared-state driver); a retry on it puts the balance in debt.
+        self.lent = 0.0
         self.reserve = min_per_s  # the time-based allowance, refilled per second
         self._t: float | None = None
 
@@ -55,7 +58,7 @@ class RetryBudget:
 
     def can_spend(self, now: float) -> bool:
         """Whether :meth:`try_spend` would allow a retry now (spends nothing)."""
-        if self.balance >= _ONE:
+        if self.balance + self.lent >= _ONE:
             return True
         r = self.reserve
         if self._t is not None and self.min_per_s > 0.0:
@@ -68,7 +71,7 @@ class RetryBudget:
             r = self.reserve + (now - self._t) * self.min_per_s
             self.reserve = r if r < self.min_per_s else self.min_per_s
         self._t = now
-        if self.balance >= _ONE:
+        if self.balance + self.lent >= _ONE:
             self.balance -= 1.0
             return True
         if self.reserve >= _ONE:

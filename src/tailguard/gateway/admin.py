@@ -94,7 +94,11 @@ class AdminApi:
         return self.fleet.balancer.nodes.get(request.match_info["id"])
 
     async def list_nodes(self, request: web.Request) -> web.StreamResponse:
-        return _json({"nodes": [self.describe(n) for n in self.fleet.balancer.nodes.values()]})
+        body: dict[str, Any] = {"nodes": [self.describe(n)
+                                          for n in self.fleet.balancer.nodes.values()]}
+        if self.fleet.shared is not None:
+            body["shared_state"] = self.fleet.shared.status()
+        return _json(body)
 
     async def register(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -208,12 +212,15 @@ class AdminApi:
             "registered": node.id in fleet.dynamic,
             "retiring": fleet.retiring(node.id),
             "in_flight": node.in_flight,
+            # On the node from the other gateway replicas (shared_state), as they last said.
+            "in_flight_elsewhere": node.remote_in_flight,
             "prefilling": node.prefilling,
             "decoding": node.decoding,
             "slots": node.slots,
             # Concurrency limit (core/limits.py): None when the pool has no limits.
             "limit": None if node.limiter is None else {
                 "limit": node.limiter.limit, "in_use": node.limiter.inflight,
+                "allowed_here": node.limiter.allowed,
                 "successes": node.limiter.successes, "dropped": node.limiter.dropped,
                 "ignored": node.limiter.ignored},
             "dispatched_total": node.dispatched_total,

@@ -61,6 +61,7 @@ from tailguard.core.retry_budget import RetryConfig
 from tailguard.core_options import parse_hedging, parse_outliers
 from tailguard.errors import ConfigError
 from tailguard.gateway.discovery_config import KubernetesDiscoveryConfig, parse_discovery
+from tailguard.gateway.shared_state_config import SharedStateConfig, parse_shared_state
 from tailguard.remediation.config import RemediationConfig, parse_remediation
 
 #: Engines whose metric names the gateway knows (``None`` in a node: detect).
@@ -68,8 +69,8 @@ ENGINES = ("vllm", "sglang", "trtllm", "tgi", "llamacpp")
 DEFAULT_LISTEN = ("127.0.0.1", 8080)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
-FLEET_KEYS = ("listen", "nodes", "pools", "discovery", "admin", "api_keys", "api_keys_env",
-              "max_body_bytes",
+FLEET_KEYS = ("listen", "nodes", "pools", "discovery", "shared_state", "admin", "api_keys",
+              "api_keys_env", "max_body_bytes",
               "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog",
               "outliers", "remediation", "client")
 NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
@@ -275,6 +276,7 @@ class FleetConfig:
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
     client: ClientSettings = field(default_factory=ClientSettings)
     discovery: KubernetesDiscoveryConfig | None = None  # engines as pods (gateway/discovery.py)
+    shared_state: SharedStateConfig | None = None  # replicas as one (gateway/shared_state.py)
 
     def pool(self, model: str) -> PoolSettings:
         """The settings of ``model``'s pool (defaults when the file has none)."""
@@ -641,6 +643,7 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         outliers=parse_outliers(m.get("outliers")),
         remediation=parse_remediation(m.get("remediation")),
         discovery=parse_discovery(m.get("discovery")),
+        shared_state=parse_shared_state(m.get("shared_state")),
         client=client,
     )
 

@@ -187,11 +187,11 @@ class KubernetesDiscovery:
         if name in self.nodes and name in fleet.nodes and not fleet.retiring(name):
             if not ready and name not in self.drained:
                 log.info("discovery: pod %s is not ready; draining it", name)
-                fleet.set_state(name, NodeState.DRAINING)
+                fleet.set_state(name, NodeState.DRAINING, shared=False)
                 self.drained.add(name)
             elif ready and name in self.drained:
                 log.info("discovery: pod %s is ready again", name)
-                fleet.set_state(name, NodeState.HEALTHY)
+                fleet.set_state(name, NodeState.HEALTHY, shared=False)
                 self.drained.discard(name)
             return
         if not ready or name in fleet.nodes:

@@ -42,6 +42,7 @@ from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
 from tailguard.gateway.engine_metrics import EngineSample
 from tailguard.gateway.event_log import EventLog
 from tailguard.gateway.monitor import NodeMonitor
+from tailguard.gateway.shared_state import SharedState
 
 log = logging.getLogger("tailguard.gateway.fleet")
 
@@ -86,6 +87,7 @@ class LiveFleet:
         self._tick_task: asyncio.Task[None] | None = None
         self._models: list[str] | None = None
         self._endpoints: dict[str, str] | None = None
+        self.shared: SharedState | None = None  # with shared_state: in the fleet file
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -94,6 +96,9 @@ class LiveFleet:
         for node in self.nodes.values():
             self._start_monitor(node)
         self._tick_task = asyncio.create_task(self._tick_loop(), name="balancer-tick")
+        if self.config.shared_state is not None:
+            self.shared = SharedState(self, self.config.shared_state)
+            self.shared.start()
 
     async def stop(self) -> None:
         tasks = list(self._retiring.values())
@@ -104,6 +109,9 @@ class LiveFleet:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._retiring.clear()
         self._tick_task = None
+        if self.shared is not None:
+            await self.shared.stop()
+            self.shared = None
         for m in list(self.monitors.values()):
             await m.stop()
         self.monitors.clear()
@@ -125,10 +133,14 @@ class LiveFleet:
         while True:
             await asyncio.sleep(TICK_INTERVAL_S)
             for ev in self.balancer.tick(time.monotonic()):
-                ev = self._with_gpu_cause(ev)
-                log.info("node %s: %s -> %s (%s)", ev.node, ev.kind, ev.state, ev.reason)
-                for listener in self.event_listeners:
-                    listener(ev)
+                self.publish_event(ev)
+
+    def publish_event(self, ev: Event) -> None:
+        """A core event to the log, the metrics, the dashboard and the remediator."""
+        ev = self._with_gpu_cause(ev)
+        log.info("node %s: %s -> %s (%s)", ev.node, ev.kind, ev.state, ev.reason)
+        for listener in self.event_listeners:
+            listener(ev)
 
     # -- what the proxy asks -------------------------------------------------
 
@@ -144,6 +156,29 @@ class LiveFleet:
     def hedger(self, model: str) -> Hedger | None:
         """The pool's hedger; None when hedging is off for it."""
         return self._hedgers.get(model, self.config.pool(model).hedging)
+
+    def budget_balances(self) -> dict[str, list[float | None]]:
+        """Each pool's retry balance and hedge credit, for the other replicas."""
+        out: dict[str, list[float | None]] = {}
+        for model, b in self._budgets.items():
+            h = self.hedger(model)
+            out[model] = [round(b.balance, 3), round(h.credit, 3) if h is not None else None]
+        return out
+
+    def lend_budgets(self, peers: list[dict[str, Any]]) -> None:
+        """What each pool may borrow of the others' budgets: ``1/k`` of their balance."""
+        k = len(peers) + 1
+        for model, b in self._budgets.items():
+            h = self.hedger(model)
+            retry = hedge = 0.0
+            for p in peers:
+                got = p.get(model)
+                if isinstance(got, list) and len(got) == 2:
+                    retry += float(got[0] or 0.0)
+                    hedge += float(got[1] or 0.0)
+            b.lent = retry / k
+            if h is not None:
+                h.lent = hedge / k
 
     def served_models(self) -> list[str]:
         """Model names some node in the fleet serves, in first-seen order."""
@@ -195,8 +230,11 @@ class LiveFleet:
         log.info("node %s added (%s, %s, models %s)", node.id, node.url, node.gpu_class,
                  ", ".join(node.models))
 
-    def set_state(self, node_id: str, state: NodeState) -> None:
+    def set_state(self, node_id: str, state: NodeState, shared: bool = True) -> None:
+        """Set a node's state; ``shared``: an operator's action the other replicas follow."""
         self.balancer.set_state(node_id, state)
+        if shared and self.shared is not None:
+            self.shared.operator(node_id, state)
 
     def retire(self, node_id: str, timeout_s: float | None = None) -> None:
         """Drain ``node_id`` and remove it once its requests finished."""

@@ -57,6 +57,10 @@ tailguard_pool_queue_depth                         gauge      pool
 tailguard_pool_capacity_tokens_per_second          gauge      pool
 tailguard_pool_slo_{ttft,tpot}_seconds             gauge      pool
 tailguard_pool_slo_attainment_target               gauge      pool
+tailguard_node_in_flight_elsewhere_requests        gauge      node, gpu (shared_state)
+tailguard_shared_state_{up,leader,replicas}        gauge      - (shared_state)
+tailguard_shared_state_sync_seconds                gauge      - (shared_state)
+tailguard_shared_state_errors_total                counter    - (shared_state)
 =================================================  =========  ============================
 
 What each means, with queries and alert rules: ``docs/metrics.md`` (a test
@@ -72,7 +76,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
@@ -311,7 +315,35 @@ class FleetCollector:
                     kv.add_metric(lv, mon.sample.kv_usage)
         return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, up, running,
                 waiting, kv, age, stale, limit, slowness, *self._classes(nodes),
-                *self._pools()]
+                *self._pools(), *self._shared(nodes)]
+
+    def _shared(self, nodes: list[Any]) -> list[Metric]:
+        shared = self.fleet.shared
+        if shared is None:
+            return []
+        elsewhere = GaugeMetricFamily("tailguard_node_in_flight_elsewhere_requests",
+                                      "Requests on the node from the other gateway replicas, "
+                                      "as they last published", labels=["node", "gpu"])
+        for node in nodes:
+            elsewhere.add_metric([node.id, node.spec.gpu_class], node.remote_in_flight)
+        return [
+            elsewhere,
+            GaugeMetricFamily("tailguard_shared_state_up",
+                              "1 when the last sync with the shared store succeeded",
+                              value=1.0 if shared.up else 0.0),
+            GaugeMetricFamily("tailguard_shared_state_leader",
+                              "1 on the replica whose detector decides node states",
+                              value=1.0 if shared.leader else 0.0),
+            GaugeMetricFamily("tailguard_shared_state_replicas",
+                              "Live gateway replicas seen at the last sync, this one included",
+                              value=float(shared.replicas)),
+            GaugeMetricFamily("tailguard_shared_state_sync_seconds",
+                              "Round trip of the last good sync with the shared store",
+                              value=shared.sync_s),
+            CounterMetricFamily("tailguard_shared_state_errors",
+                                "Syncs with the shared store that failed or timed out",
+                                value=float(shared.errors)),
+        ]
 
     def _classes(self, nodes: list[Any]) -> list[Metric]:
         decode = GaugeMetricFamily("tailguard_class_decode_slowdown_ratio",

@@ -10,6 +10,9 @@ Triggers, per node:
 Guards: a rule acts on a node at most once per ``cooldown_s``; all rules
 together at most ``max_actions_per_hour`` times (a fleet-wide incident must not
 become a storm of pod deletions); ``dry_run`` records what would have run.
+With several gateway replicas (``shared_state``), an action also needs the
+fleet-wide lease on (node, rule) for ``cooldown_s``: it happens once, on
+whichever replica takes the lease first; the others record ``elsewhere``.
 Every action and its result goes to the event log (``GET /admin/events``),
 the ``tailguard_remediations_total{action,result}`` counter and the log.
 """
@@ -99,13 +102,29 @@ class Remediator:
             return
         self._last[key] = now
         self._recent.append(now)
-        if cfg.dry_run:
-            self._record(base, "dry_run", self._describe(rule, ev))
-            return
-        task = asyncio.get_running_loop().create_task(self._run(rule, ev, base),
-                                                      name=f"remediate:{ev.node}")
+        shared = self.fleet.shared
+        if shared is None:
+            if cfg.dry_run:
+                self._record(base, "dry_run", self._describe(rule, ev))
+                return
+            coro = self._run(rule, ev, base)
+        else:
+            coro = self._leased(rule, ev, base)
+        task = asyncio.get_running_loop().create_task(coro, name=f"remediate:{ev.node}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _leased(self, rule: Rule, ev: Event, base: dict[str, Any]) -> None:
+        """With several replicas: act only with the fleet-wide lease on (node, rule)."""
+        shared = self.fleet.shared
+        assert shared is not None
+        if not await shared.lease(f"{ev.node}:{rule.name}", self.config.cooldown_s):
+            self._record(base, "elsewhere", "another replica holds this action's lease")
+            return
+        if self.config.dry_run:
+            self._record(base, "dry_run", self._describe(rule, ev))
+            return
+        await self._run(rule, ev, base)
 
     def _env(self, ev: Event) -> dict[str, str]:
         node = self.fleet.nodes.get(ev.node)
