@@ -318,32 +318,31 @@ class FleetCollector:
                 *self._pools(), *self._shared(nodes)]
 
     def _shared(self, nodes: list[Any]) -> list[Metric]:
+        """Shared state across replicas: the families always, samples only with shared_state."""
         shared = self.fleet.shared
-        if shared is None:
-            return []
         elsewhere = GaugeMetricFamily("tailguard_node_in_flight_elsewhere_requests",
                                       "Requests on the node from the other gateway replicas, "
                                       "as they last published", labels=["node", "gpu"])
-        for node in nodes:
-            elsewhere.add_metric([node.id, node.spec.gpu_class], node.remote_in_flight)
-        return [
-            elsewhere,
-            GaugeMetricFamily("tailguard_shared_state_up",
-                              "1 when the last sync with the shared store succeeded",
-                              value=1.0 if shared.up else 0.0),
-            GaugeMetricFamily("tailguard_shared_state_leader",
-                              "1 on the replica whose detector decides node states",
-                              value=1.0 if shared.leader else 0.0),
-            GaugeMetricFamily("tailguard_shared_state_replicas",
-                              "Live gateway replicas seen at the last sync, this one included",
-                              value=float(shared.replicas)),
-            GaugeMetricFamily("tailguard_shared_state_sync_seconds",
-                              "Round trip of the last good sync with the shared store",
-                              value=shared.sync_s),
-            CounterMetricFamily("tailguard_shared_state_errors",
-                                "Syncs with the shared store that failed or timed out",
-                                value=float(shared.errors)),
-        ]
+        up = GaugeMetricFamily("tailguard_shared_state_up",
+                               "1 when the last sync with the shared store succeeded")
+        leader = GaugeMetricFamily("tailguard_shared_state_leader",
+                                   "1 on the replica whose detector decides node states")
+        replicas = GaugeMetricFamily("tailguard_shared_state_replicas",
+                                     "Live gateway replicas seen at the last sync, this one "
+                                     "included")
+        sync = GaugeMetricFamily("tailguard_shared_state_sync_seconds",
+                                 "Round trip of the last good sync with the shared store")
+        errors = CounterMetricFamily("tailguard_shared_state_errors",
+                                     "Syncs with the shared store that failed or timed out")
+        if shared is not None:
+            for node in nodes:
+                elsewhere.add_metric([node.id, node.spec.gpu_class], node.remote_in_flight)
+            up.add_metric([], 1.0 if shared.up else 0.0)
+            leader.add_metric([], 1.0 if shared.leader else 0.0)
+            replicas.add_metric([], float(shared.replicas))
+            sync.add_metric([], shared.sync_s)
+            errors.add_metric([], float(shared.errors))
+        return [elsewhere, up, leader, replicas, sync, errors]
 
     def _classes(self, nodes: list[Any]) -> list[Metric]:
         decode = GaugeMetricFamily("tailguard_class_decode_slowdown_ratio",
