@@ -14,19 +14,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) sysdeps
 
-# Debian packages the Prometheus, headless-browser and shared-state (Redis) tests run: installed when
-# a binary is missing and root can apt-get; otherwise those tests skip, saying why.
-SYSDEPS_BINS := prometheus promtool chromium chromedriver redis-server
+# Debian packages the Prometheus, headless-browser, shared-state (Redis) and manifest
+# (kubectl) tests run: installed when a binary is missing and root can apt-get;
+# otherwise those tests skip, saying why.
+SYSDEPS_BINS := prometheus promtool chromium chromedriver redis-server kubectl
 sysdeps:
 	@missing=""; for b in $(SYSDEPS_BINS); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "sysdeps: installing prometheus chromium chromium-driver redis-server (missing:$$missing)"; \
+	    echo "sysdeps: installing prometheus chromium chromium-driver redis-server kubectl (missing:$$missing)"; \
 	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-	      prometheus chromium chromium-driver redis-server) \
-	      || echo "sysdeps: apt-get failed; the Prometheus/Chromium/Redis tests will skip"; \
+	      prometheus chromium chromium-driver redis-server kubectl) \
+	      || echo "sysdeps: apt-get failed; the Prometheus/Chromium/Redis/kubectl tests will skip"; \
 	  else \
-	    echo "sysdeps: missing$$missing and no root apt-get; the Prometheus/Chromium/Redis tests will skip"; \
+	    echo "sysdeps: missing$$missing and no root apt-get; the Prometheus/Chromium/Redis/kubectl tests will skip"; \
 	  fi; \
 	fi
 

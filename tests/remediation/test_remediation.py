@@ -23,7 +23,7 @@ from tailguard.remediation.actions import delete_pod, run_command
 
 
 class FakeFleet:
-    """What the remediator reads of the live fleet: config and node configs."""
+    """What the remediator reads of the live fleet: config, node configs, no shared state."""
 
     def __init__(self, remediation: dict[str, Any]) -> None:
         self.config = parse_fleet({
@@ -31,6 +31,7 @@ class FakeFleet:
                        "labels": {"pod": "vllm-1", "namespace": "inf"}}],
             "remediation": remediation})
         self.nodes = {n.id: n for n in self.config.nodes}
+        self.shared = None
 
 
 class Clock:
