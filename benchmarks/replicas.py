@@ -9,8 +9,9 @@ SLO capacity bound), through, one after the other on fresh engines:
 * **two-shared**, **three-shared**: two and three replicas sharing state
   through a real ``redis-server`` (``shared_state:`` in the fleet file).
 
-Clients are spread evenly over the replicas, as a Kubernetes Service would
-(one Poisson generator per replica at ``rate / k``). Part-way through
+One seeded Poisson stream of requests is dealt round robin over the
+replicas, as a Kubernetes Service would spread them (``tailguard bench
+--target URL1,URL2``), so every variant gets the very same requests. Part-way through
 (``--fault-at``, 0.3 of the run), one of the A100s is throttled to
 ``--factor`` (0.3) of its speed: the detection time is from then until a
 replica's ``/admin/nodes`` shows it degraded or quarantined (first replica and
@@ -22,15 +23,16 @@ Then the faults, with two shared replicas:
 
 * **kill-replica**: replica b is killed (SIGKILL) at half-time. Its clients'
   requests that were in flight fail (a Service then sends new ones to a
-  live replica: the benchmark moves b's generator to a); the survivor's
+  live replica: the benchmark sends b's turn to a); the survivor's
   view of b's load (``in_flight_elsewhere``) must drop to 0 within ``ttl_s``.
 * **kill-redis**: Redis is killed at 0.4 of the run and restarted at 0.6:
   zero failed requests, both replicas alive at the end and synced again.
 
 Prints what it measured; asserts nothing.
 
-    python benchmarks/replicas.py [--load 0.8] [--duration 40]
-        [--fleet H100-SXM:2,A100-80GB:3,L4:4] [--runs one,two-alone,two-shared,three-shared,kill-replica,kill-redis]
+    python benchmarks/replicas.py [--load 0.8] [--duration 40] [--pin]
+        [--fleet H100-SXM:2,A100-80GB:3,L4:4] [--rounds 3] [--period 0.25]
+        [--runs one,two-alone,two-shared,three-shared,kill-replica,kill-redis]
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import yaml
 from gateway_overhead import cpu_s, free_port
 
@@ -65,7 +69,16 @@ INPUT = {"dist": "lognormal", "mu": 6.0, "sigma": 0.7, "max": 4096}
 OUTPUT = {"dist": "uniform", "min": 16, "max": 128}
 SLO = Slo(ttft_s=1.0, tpot_s=0.08)
 TOKEN = "replicas-bench"
-PERIOD_S, TTL_S = 0.25, 2.0
+TTL_S = 2.0
+
+
+GATEWAY_CPUS: set[int] = set()  # --pin: the gateways (and Redis) here, the rest elsewhere
+
+
+def _pin(cpus: set[int]) -> Any:
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 class Redis:
@@ -84,7 +97,8 @@ class Redis:
             sys.exit("redis-server is not installed (apt-get install redis-server)")
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_pin(GATEWAY_CPUS))
         time.sleep(0.3)
 
     def kill(self) -> None:
@@ -97,7 +111,7 @@ class Replicas:
     """``k`` tailguard serve processes over the same fleet; shared through ``redis`` if given."""
 
     def __init__(self, k: int, nodes: list[EmulatedNode], urls: dict[str, str], work: Path,
-                 redis: Redis | None) -> None:
+                 redis: Redis | None, period: float = 0.25) -> None:
         self.names = [chr(ord("a") + i) for i in range(k)]
         self.ports = [free_port() for _ in range(k)]
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -113,7 +127,7 @@ class Replicas:
                                   "admission": {"queue_max": 256}}},
                 "admin": {"token_env": "TG_BENCH_TOKEN"}}
             if redis is not None:
-                doc["shared_state"] = {"url": redis.url, "replica": name, "period_s": PERIOD_S,
+                doc["shared_state"] = {"url": redis.url, "replica": name, "period_s": period,
                                        "ttl_s": TTL_S}
             self.docs.append(doc)
 
@@ -128,7 +142,8 @@ class Replicas:
             log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tailguard", "serve", "-c", str(path), "--log-level",
-                 "warning"], stdout=log, stderr=subprocess.STDOUT, env=env))
+                 "warning"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=_pin(GATEWAY_CPUS)))
         for url in self.urls():
             await wait_http(url + "/health")
 
@@ -195,8 +210,9 @@ def result(records: list[Record], gen_cfg: BenchConfig, elapsed: float, warmup: 
     total = sum(by_class.values()) or 1
     return {"attainment": res["slo_attainment"], "ttft_p99": res["ttft_s"]["p99"],
             "tpot_p99": res["tpot_s"]["p99"], "completed": res["completed"],
-            "failed": sum(1 for r in records if r.error not in ("ok", "rejected")),
-            "rejected": sum(1 for r in records if r.error == "rejected"),
+            "failed": sum(1 for r in records if r.error not in ("ok", "http_429")),
+            "errors": dict(Counter(r.error for r in records if r.error != "ok")),
+            "rejected": sum(1 for r in records if r.error == "http_429"),
             "shares": {g: round(c / total, 3) for g, c in sorted(by_class.items())}}
 
 
@@ -210,19 +226,18 @@ async def run(name: str, k: int, shared: bool, nodes: list[EmulatedNode], rate: 
     if redis is not None:
         redis.start()
     async with run_emulator(nodes, host="127.0.0.1") as emu:
-        reps = Replicas(k, nodes, emu.urls, work, redis)
+        reps = Replicas(k, nodes, emu.urls, work, redis, args.period)
         out: dict[str, Any] = {}
         try:
             await reps.start()
             if shared:
-                await asyncio.sleep(3 * PERIOD_S)  # the replicas meet
+                await asyncio.sleep(3 * args.period)  # the replicas meet
             urls = reps.urls()
-            gens = [LoadGenerator(BenchConfig(
-                url, model=MODEL, rate=rate / k, duration_s=duration,
+            gen = LoadGenerator(BenchConfig(
+                ",".join(urls), model=MODEL, rate=rate, duration_s=duration,
                 input_tokens=parse_length_dist(INPUT, "input_tokens", "input_tokens"),
                 output_tokens=parse_length_dist(OUTPUT, "output_tokens", "output_tokens"),
-                slo=SLO, ignore_eos=True, drain_s=30.0, seed=7 + i, label=f"{name}-{i}"))
-                for i, url in enumerate(urls)]
+                slo=SLO, ignore_eos=True, drain_s=30.0, seed=7, label=name))
             t0 = time.monotonic()
             stop = asyncio.Event()
             fault_at = t0 + args.fault_at * duration
@@ -240,7 +255,7 @@ async def run(name: str, k: int, shared: bool, nodes: list[EmulatedNode], rate: 
                     killed_at = time.monotonic()
                     reps.procs[1].send_signal(signal.SIGKILL)
                     out["killed_at_s"] = killed_at - t0
-                    gens[1].url = gens[0].url  # the Service moves b's clients to a;
+                    gen.urls[1] = gen.urls[0]  # the Service sends b's share to a;
                     # requests already sent to b are lost with it
                     async with aiohttp.ClientSession() as s:
                         while True:
@@ -260,14 +275,14 @@ async def run(name: str, k: int, shared: bool, nodes: list[EmulatedNode], rate: 
                     redis.start()
 
             side = [asyncio.create_task(inject()), asyncio.create_task(chaos())]
-            await asyncio.gather(*(g.run() for g in gens))
+            await gen.run()
             elapsed = time.monotonic() - t0
             cpu = reps.cpu() - cpu0
             stop.set()
             found = await detect
             await asyncio.gather(*side)
-            records = [r for g in gens for r in g.records]
-            res = result(records, gens[0].cfg, elapsed, warmup, duration, gpu_of)
+            records = gen.records
+            res = result(records, gen.cfg, elapsed, warmup, duration, gpu_of)
             res.update(out)
             res["detect_first_s"] = round(min(found.values()), 2) if found else None
             res["detect_last_s"] = (round(max(found.values()), 2) if len(found) == k else None)
@@ -275,10 +290,12 @@ async def run(name: str, k: int, shared: bool, nodes: list[EmulatedNode], rate: 
             res["alive"] = reps.alive()
             if name == "kill-replica":
                 killed = out.get("killed_at_s", duration)
-                res["failed_after_kill"] = sum(1 for r in gens[1].records
-                                               if r.error not in ("ok", "rejected")
-                                               and r.arrival <= killed)
-                res["failed_elsewhere"] = res["failed"] - res["failed_after_kill"]
+                # b's requests sent before the kill that failed were b's in flight;
+                # any other failure would be a's
+                res["failed_in_flight_on_b"] = sum(
+                    1 for r in records if r.target == 1 and r.arrival <= killed
+                    and r.error not in ("ok", "http_429"))
+                res["failed_elsewhere"] = res["failed"] - res["failed_in_flight_on_b"]
             if shared:
                 async with aiohttp.ClientSession() as s:
                     views = [await nodes_view(s, u) for u, ok in zip(urls, res["alive"],
@@ -305,30 +322,39 @@ async def main_async(args: argparse.Namespace) -> None:
           f"({args.load:.2f}) for {args.duration:.0f} s, statistics after "
           f"{args.duration / 5:.0f} s; an A100 throttled to {args.factor} at "
           f"{args.fault_at * args.duration:.0f} s", flush=True)
-    results: dict[str, dict[str, Any]] = {}
-    for name in filter(None, args.runs.split(",")):
-        k, shared = RUNS[name]
-        r = await run(name, k, shared, nodes, rate, args)
-        results[name] = r
-        extra = {key: r[key] for key in ("killed_at_s", "view_corrected_s", "failed_after_kill",
-                                          "failed_elsewhere", "synced_at_end") if key in r}
-        print(f"{name:12s} attainment {r['attainment']:.4f}  TTFT p99 {r['ttft_p99']:.3f} s  "
-              f"TPOT p99 {r['tpot_p99'] * 1000:.1f} ms  completed {r['completed']} failed "
-              f"{r['failed']} 429 {r['rejected']}  detect {r['detect_first_s']}/"
-              f"{r['detect_last_s']} s  CPU {r['cpu_ms_per_request']:.3f} ms/request  "
-              f"shares {r['shares']}  alive {r['alive']}" + (f"  {extra}" if extra else ""),
-              flush=True)
-    one = results.get("one")
-    if one is not None:
-        for name, r in results.items():
-            if name == "one" or name.startswith("kill"):
-                continue
-            det = (r["detect_last_s"] / one["detect_last_s"]
-                   if r["detect_last_s"] and one["detect_last_s"] else None)
-            print(f"{name} - one: attainment {100 * (r['attainment'] - one['attainment']):+.2f} "
-                  f"points, detection (last replica) "
-                  f"{'n/a' if det is None else f'{det:.2f}x'}, CPU per request "
-                  f"{r['cpu_ms_per_request'] / max(one['cpu_ms_per_request'], 1e-9):.2f}x")
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for i in range(args.rounds):
+        results: dict[str, dict[str, Any]] = {}
+        for name in filter(None, args.runs.split(",")):
+            k, shared = RUNS[name]
+            r = await run(name, k, shared, nodes, rate, args)
+            results[name] = r
+            extra = {key: r[key] for key in ("killed_at_s", "view_corrected_s",
+                                              "failed_in_flight_on_b", "failed_elsewhere",
+                                              "synced_at_end") if key in r}
+            print(f"{f'[{i + 1}] ' if args.rounds > 1 else ''}{name:12s} attainment "
+                  f"{r['attainment']:.4f}  TTFT p99 {r['ttft_p99']:.3f} s  TPOT p99 "
+                  f"{r['tpot_p99'] * 1000:.1f} ms  completed {r['completed']} failed "
+                  f"{r['failed']} 429 {r['rejected']}  detect {r['detect_first_s']}/"
+                  f"{r['detect_last_s']} s  CPU {r['cpu_ms_per_request']:.3f} ms/request  "
+                  f"shares {r['shares']}  alive {r['alive']}" + (f"  {extra}" if extra else ""),
+                  flush=True)
+        rounds.append(results)
+    if "one" not in rounds[0]:
+        return
+    for name in rounds[0]:
+        if name == "one" or name.startswith("kill"):
+            continue
+        att = [100 * (r[name]["attainment"] - r["one"]["attainment"]) for r in rounds]
+        det = [r[name]["detect_last_s"] / r["one"]["detect_last_s"] for r in rounds
+               if r[name]["detect_last_s"] and r["one"]["detect_last_s"]]
+        cpu = [r[name]["cpu_ms_per_request"] / max(r["one"]["cpu_ms_per_request"], 1e-9)
+               for r in rounds]
+        print(f"{name} - one, per round: attainment {[round(a, 2) for a in att]} points "
+              f"(median {float(np.median(att)):+.2f}); detection (last replica) "
+              f"{[round(d, 2) for d in det]}x"
+              + (f" (median {float(np.median(det)):.2f}x)" if det else "")
+              + f"; CPU per request {[round(c, 2) for c in cpu]}x")
 
 
 def main() -> None:
@@ -340,7 +366,18 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--fault-at", type=float, default=0.3, help="throttle time, share of the run")
     ap.add_argument("--factor", type=float, default=0.3, help="the throttled A100's speed")
+    ap.add_argument("--period", type=float, default=0.25, help="shared_state.period_s")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the runs; differences to one are per round, with medians")
+    ap.add_argument("--pin", action="store_true",
+                    help="gateways and Redis on the last CPU, engines and clients on the others: "
+                         "one gateway and several then get the same CPU, and the emulated "
+                         "engines keep their timing")
     args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) > 1:
+        GATEWAY_CPUS.add(cpus[-1])
+        os.sched_setaffinity(0, set(cpus[:-1]))
     try:
         import uvloop
         uvloop.install()

@@ -32,12 +32,16 @@ def exchange(replicas: dict[str, Balancer], now: float, leader: str | None) -> l
 def test_the_others_in_flight_steer_routing_and_expire() -> None:
     a = Balancer(specs(2), [PoolConfig(MODEL, "least_request")], random.Random(0))
     b = Balancer(specs(2), [PoolConfig(MODEL, "least_request")], random.Random(1))
-    held = [b.take(MODEL, "n0", 100, 0.0) for _ in range(5)]
+    held = [b.take(MODEL, "n0", 100, 0.0) for _ in range(10)]
     assert all(t is not None for t in held)
     exchange({"a": a, "b": b}, 0.1, "a")
-    assert a.nodes["n0"].remote_in_flight == 5 and a.nodes["n0"].fleet_in_flight == 5
-    got = [t.node_id for t in (a.pick(MODEL, 100, 0.2 + i * 0.01) for i in range(5)) if t]
-    assert got == ["n1"] * 5  # n0 carries b's five
+    assert a.nodes["n0"].remote_in_flight == 10 and a.nodes["n0"].fleet_in_flight == 10
+    got = [t.node_id for t in (a.pick(MODEL, 100, 0.2 + i * 0.01) for i in range(4)) if t]
+    assert got == ["n1"] * 4  # n0 carries b's ten
+    # until the next report, a takes its own rush to n1 for b's too (b routes alike)
+    assert a.nodes["n1"].fleet_in_flight == 8 and a.nodes["n0"].fleet_in_flight == 10
+    exchange({"a": a, "b": b}, 0.3, "a")  # b's report: it sent n1 nothing after all
+    assert a.nodes["n1"].fleet_in_flight == 4
     # b's report stops coming (its TTL ran out in the driver): its share is gone
     a.on_peers(1.0, {}, True)
     assert a.nodes["n0"].fleet_in_flight == 0

@@ -30,7 +30,9 @@ from tailguard.errors import ConfigError
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (gateway or engine)",
                        description=__doc__)
-    p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--target", required=True,
+                   help="base URL, e.g. http://127.0.0.1:8080; several, comma-separated, take "
+                        "the requests in turn (gateway replicas behind a Service)")
     p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests/s")
@@ -61,9 +63,11 @@ def add_parser(sub: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    parts = urlsplit(args.target)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError("--target", f"must be an http(s) URL, got {args.target!r}")
+    for target in args.target.split(","):
+        parts = urlsplit(target.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError("--target", f"must be an http(s) URL (or several, comma-separated: "
+                                          f"requests go to them in turn), got {target!r}")
     for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
                         ("--drain", args.drain), ("--timeout", args.timeout)):
         if not value > 0:

@@ -108,7 +108,7 @@ class Record:
     """What happened to one request (times in seconds from the run's start)."""
 
     __slots__ = ("arrival", "end", "error", "first", "input", "max_tokens", "node", "status",
-                 "tokens")
+                 "target", "tokens")
 
     def __init__(self, arrival: float, n_in: int, n_out: int) -> None:
         self.arrival = arrival
@@ -120,6 +120,7 @@ class Record:
         self.status = 0
         self.node = DIRECT
         self.error = "unfinished"
+        self.target = 0  # which of several targets it was sent to
 
 
 @dataclass(slots=True)
@@ -163,12 +164,17 @@ class LoadGenerator:
         self.records: list[Record] = []
         self.in_flight = 0
         self.model = cfg.model or ""
-        base = cfg.target.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
-        self.base = base
+        # Several targets (comma-separated): requests go to them in turn, as
+        # a load balancer in front of gateway replicas would spread them.
+        bases = []
+        for t in cfg.target.split(","):
+            base = t.strip().rstrip("/")
+            bases.append(base[:-3] if base.endswith("/v1") else base)
+        self.base = bases[0]
         path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
-        self.url = base + path
+        self.urls = [b + path for b in bases]
+        self.url = self.urls[0]
+        self._turn = 0
         self.headers = {"Content-Type": "application/json"}
         if cfg.api_key:
             self.headers["Authorization"] = f"Bearer {cfg.api_key}"
@@ -199,8 +205,14 @@ class LoadGenerator:
         assert self._session is not None
         clock, t0 = self._clock, self._t0
         self.in_flight += 1
+        urls = self.urls
+        url = urls[0]
+        if len(urls) > 1:
+            rec.target = self._turn % len(urls)
+            url = urls[rec.target]
+            self._turn += 1
         try:
-            async with self._session.post(self.url, data=self._body(rec.input, rec.max_tokens),
+            async with self._session.post(url, data=self._body(rec.input, rec.max_tokens),
                                           headers=self.headers) as resp:
                 rec.status = resp.status
                 rec.node = resp.headers.get(NODE_HEADER, DIRECT)

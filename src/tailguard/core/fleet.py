@@ -140,6 +140,8 @@ class Node:
         "in_flight",
         "latency",
         "limiter",
+        "own_backlog_base",
+        "own_in_flight_base",
         "perf",
         "prefill_backlog",
         "prefill_tokens_total",
@@ -147,6 +149,7 @@ class Node:
         "presumed_cache_hits",
         "remote_backlog",
         "remote_in_flight",
+        "remote_ratio",
         "remote_speed",
         "slots",
         "spec",
@@ -171,6 +174,14 @@ class Node:
         # published it (core/shared.py); 0 with one gateway.
         self.remote_in_flight = 0
         self.remote_backlog = 0
+        # Between two merges the others' counts are extrapolated from this
+        # replica's own change since the last one, times remote_ratio (the
+        # others' demand over this one's): replicas that route alike load a
+        # node alike, so a rush of this replica's requests to a node is taken
+        # for everyone's rush, not as if the others had stopped (0: no others).
+        self.remote_ratio = 0.0
+        self.own_in_flight_base = 0
+        self.own_backlog_base = 0
         # The others' learned slowdowns, as (sum of decode log-ratio x weight,
         # decode weight, the same for prefill); None: no other replica knows.
         self.remote_speed: tuple[float, float, float, float] | None = None
@@ -196,13 +207,22 @@ class Node:
 
     @property
     def fleet_in_flight(self) -> int:
-        """Requests on the node from every gateway replica: this one's exact count plus the others'."""
-        return self.in_flight + self.remote_in_flight
+        """Requests on the node from every gateway replica: this one's exact count plus the
+        others' (their last report, extrapolated by this one's change since)."""
+        ratio = self.remote_ratio
+        if ratio == 0.0:
+            return self.in_flight
+        est = self.remote_in_flight + ratio * (self.in_flight - self.own_in_flight_base)
+        return self.in_flight + (int(est + 0.5) if est > 0.0 else 0)
 
     @property
     def fleet_backlog(self) -> int:
         """Prompt tokens waiting for their first token on the node, from every replica."""
-        return self.prefill_backlog + self.remote_backlog
+        ratio = self.remote_ratio
+        if ratio == 0.0:
+            return self.prefill_backlog
+        est = self.remote_backlog + ratio * (self.prefill_backlog - self.own_backlog_base)
+        return self.prefill_backlog + (int(est) if est > 0.0 else 0)
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -135,9 +135,11 @@ class Limit(Protocol):
     def limit(self) -> int: ...
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
-                  dropped: bool) -> None:
+                  dropped: bool, weight: float = 1.0) -> None:
         """One finished request: its TPOT and node-side TTFT (<= 0: unknown),
-        the permits in use when it ended and whether it ended in a drop."""
+        the permits in use when it ended and whether it ended in a drop.
+        ``weight``: how many of the node's requests it stands for (a gateway
+        replica that sees a share ``s`` of them: ``1/s``)."""
 
 
 class FixedLimit:
@@ -153,7 +155,7 @@ class FixedLimit:
         return self._limit
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
-                  dropped: bool) -> None:
+                  dropped: bool, weight: float = 1.0) -> None:
         return
 
 
@@ -174,7 +176,7 @@ class AimdLimit:
         return self._limit
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
-                  dropped: bool) -> None:
+                  dropped: bool, weight: float = 1.0) -> None:
         lim = self._limit
         if dropped or tpot > self.slow_tpot:
             lim = max(self.min_limit, min(lim - 1, math.floor(self.backoff * lim)))
@@ -214,7 +216,7 @@ class GradientLimit:
         self._min_tpot = math.inf  # the fastest TPOT measured: the floor is never above it
         self._tpots: list[float] = []
         self._ttfts: list[float] = []
-        self._n = 0
+        self._n = 0.0
         # A window shows its percentile over target with probability pi even
         # when exactly (1 - percentile) of the samples are; growth steps of
         # pi / (1 - pi) times a cut's size make the limit rest where the
@@ -240,7 +242,7 @@ class GradientLimit:
         return self.ssthresh > 0.0
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
-                  dropped: bool) -> None:
+                  dropped: bool, weight: float = 1.0) -> None:
         if dropped:
             self.ssthresh = 0.0
             self._estimate = max(float(self.min_limit), self._estimate * self.backoff)
@@ -265,10 +267,12 @@ class GradientLimit:
             if self._estimate >= self.ssthresh:
                 self._estimate = self.ssthresh
                 self.ssthresh = 0.0
-        self._n += 1
+        # A replica seeing part of the node's requests updates as often, in
+        # time, as one gateway seeing them all would.
+        self._n += weight
         if self._n < self.update_every:
             return
-        self._n = 0
+        self._n = 0.0
         gradient = math.inf
         if self._tpots:
             gradient = _excess_gradient(self.target_tpot,
@@ -337,8 +341,8 @@ def _quantile(values: list[float], q: float) -> float:
 class Limiter:
     """One node's permits under its :class:`Limit`; counts how each permit ended."""
 
-    __slots__ = ("algorithm", "dropped", "ignored", "inflight", "kv_full", "remote", "share",
-                 "successes")
+    __slots__ = ("algorithm", "dropped", "fleet_limit", "ignored", "inflight", "kv_full",
+                 "remote", "share", "successes")
 
     def __init__(self, algorithm: Limit, kv_full: float = 0.95) -> None:
         self.algorithm = algorithm
@@ -351,10 +355,14 @@ class Limiter:
         # of the node's limit, and the permits the others hold on the node.
         self.share = 1.0
         self.remote = 0
+        # The mean of every replica's learned limit for the node (0: this one's alone).
+        self.fleet_limit = 0.0
 
     @property
     def limit(self) -> int:
-        """The node's limit, all replicas together."""
+        """The node's limit, all replicas together (their estimates' mean when shared)."""
+        if self.fleet_limit > 0.0:
+            return max(1, int(self.fleet_limit))
         return self.algorithm.limit
 
     @property
@@ -362,11 +370,15 @@ class Limiter:
         """The permits this replica may hold: its share of the limit (the whole with one)."""
         share = self.share
         if share >= 1.0:
-            return self.algorithm.limit
-        return max(1, round(self.algorithm.limit * share))
+            return self.limit
+        return max(1, round(self.limit * share))
 
     def has_room(self) -> bool:
-        return self.inflight < self.allowed
+        # Within this replica's share, and within the node's limit counting what
+        # the others hold as they last said: a replica whose share just shrank
+        # keeps its permits until they end, and the others wait for them.
+        return self.inflight < self.allowed and (
+            self.remote == 0 or self.inflight + self.remote < self.limit)
 
     @property
     def ceiling(self) -> float:
@@ -375,6 +387,13 @@ class Limiter:
         if isinstance(alg, GradientLimit) and alg.ssthresh > 0.0:
             return alg.ssthresh * min(self.share, 1.0)
         return float(self.allowed)
+
+    def _weight(self) -> float:
+        # The share of the node's requests this replica sees, as its share of
+        # the permits in use (1 with one gateway).
+        if self.remote <= 0:
+            return 1.0
+        return (self.inflight + self.remote) / max(self.inflight, 1)
 
     def acquire(self) -> None:
         self.inflight += 1
@@ -387,13 +406,14 @@ class Limiter:
         turns a success into a drop signal for the algorithm.
         """
         inflight = self.inflight + self.remote  # the batch the node ran, every replica's
+        weight = self._weight()
         self.inflight -= 1
         if ending == "success":
             self.successes += 1
-            self.algorithm.on_sample(now, tpot, ttft, inflight, congested)
+            self.algorithm.on_sample(now, tpot, ttft, inflight, congested, weight)
         elif ending == "dropped":
             self.dropped += 1
-            self.algorithm.on_sample(now, 0.0, 0.0, inflight, True)
+            self.algorithm.on_sample(now, 0.0, 0.0, inflight, True, weight)
         else:
             self.ignored += 1
 

@@ -12,11 +12,14 @@ no I/O and never waits.
 What is merged, per node:
 
 * **load**: the others' in-flight counts and prompt backlogs
-  (``Node.remote_in_flight``, ``remote_backlog``). Routing, the TTFT
-  predictions and the limits' batch signal use the sum (``fleet_in_flight``);
-  this replica's own counts stay exact, the others' are at most one publish
-  period old, and a replica whose report stops coming (the driver drops it
-  after its TTL) stops counting;
+  (``Node.remote_in_flight``, ``remote_backlog``). Routing and the TTFT
+  predictions use the sum (``fleet_in_flight``, ``fleet_backlog``): this
+  replica's own counts, exact, plus the others' last report, extrapolated
+  until the next by this replica's own change since, times the others'
+  demand over its own (replicas that route alike load a node alike: without
+  it, every replica takes the node it just rushed for one the others left
+  alone, and they herd for a whole period). A replica whose report stops
+  coming (the driver drops it after its TTL) stops counting;
 * **speed**: each replica's learned decode and prefill slowdown, averaged in
   log space weighted by samples (at most ``SPEED_WEIGHT_CAP`` each, the
   estimators' memory), so every replica prices a GPU class alike;
@@ -24,7 +27,10 @@ What is merged, per node:
   node's limit, ``d`` its demand (requests in flight plus queued): a replica
   that gets more clients gets more of the fleet; shares sum to one, so the
   replicas together never hold more than the limit (up to rounding and one
-  period's staleness). Admission queues stay per replica;
+  period's staleness); nor does a replica take a permit when its own plus the
+  others' would reach the limit (a replica whose share just shrank keeps its
+  permits until they end). The limit is the mean of the replicas' learned
+  ones. Admission queues stay per replica;
 * **detection**: each replica's own samples and outcomes since its last
   report (cumulative counters, differenced here) join this replica's
   current interval, so every detector sees the whole fleet's samples. One
@@ -63,6 +69,8 @@ def report(balancer: Balancer, now: float, leader: bool) -> dict[str, Any]:
         entry: dict[str, Any] = {"f": n.in_flight, "b": n.prefill_backlog,
                                  "d": [round(d.log_ratio, 5), d.samples],
                                  "p": [round(p.log_ratio, 5), p.samples]}
+        if n.limiter is not None:
+            entry["l"] = n.limiter.algorithm.limit
         h = det.health.get(nid) if det is not None else None
         if det is not None and h is not None:
             entry["o"] = [h.prefill.own_n, round(h.prefill.own_total, 5), h.decode.own_n,
@@ -130,7 +138,7 @@ def merge(balancer: Balancer, now: float, reports: Mapping[str, Mapping[str, Any
     events: list[Event] = []
     if det is not None:
         det.authority = leader or not any(r.get("leader") for r in reports.values())
-    load: dict[str, list[float]] = {nid: [0, 0, 0.0, 0.0, 0.0, 0.0] for nid in nodes}
+    load: dict[str, list[float]] = {nid: [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for nid in nodes}
     demand_all = 1.0 + float(_own_demand(balancer))
     own_share = demand_all
     leader_report: tuple[str, Mapping[str, Any]] | None = None
@@ -152,6 +160,9 @@ def merge(balancer: Balancer, now: float, reports: Mapping[str, Mapping[str, Any
             acc[3] += dw
             acc[4] += p_lr * pw
             acc[5] += pw
+            if "l" in entry:
+                acc[6] += entry["l"]
+                acc[7] += 1.0
             counters = entry.get("o")
             if det is not None and counters is not None:
                 delta = ledger.delta(replica, rep.get("epoch"), nid, list(counters))
@@ -160,14 +171,23 @@ def merge(balancer: Balancer, now: float, reports: Mapping[str, Mapping[str, Any
                                int(delta[4]), int(delta[5]), int(counters[6]))
     ledger.forget_others(set(reports))
     share = own_share / demand_all
+    # The others' demand over this one's, at most one per other replica: a
+    # replica with few clients must not take each of its requests for many.
+    ratio = min((1.0 - share) / share, float(len(reports)))
     for nid, n in nodes.items():
         acc = load[nid]
         n.remote_in_flight = int(acc[0])
         n.remote_backlog = int(acc[1])
+        n.remote_ratio = ratio
+        n.own_in_flight_base = n.in_flight
+        n.own_backlog_base = n.prefill_backlog
         n.remote_speed = (acc[2], acc[3], acc[4], acc[5]) if acc[3] or acc[5] else None
-        if n.limiter is not None:
-            n.limiter.share = share
-            n.limiter.remote = n.remote_in_flight
+        lim = n.limiter
+        if lim is not None:
+            lim.share = share
+            lim.remote = n.remote_in_flight
+            lim.fleet_limit = ((lim.algorithm.limit + acc[6]) / (1.0 + acc[7]) if acc[7]
+                               else 0.0)
     if det is not None and not det.authority and leader_report is not None:
         replica, rep = leader_report
         for nid, entry in rep.get("nodes", {}).items():
