@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -14,6 +15,7 @@ from redis_server import RedisServer, redis_server
 
 from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
+from tailguard.core.replay import replay
 from tailguard.errors import ConfigError
 from tailguard.gateway.app import RunningGateway, run_gateway
 from tailguard.gateway.config import parse_fleet
@@ -244,3 +246,45 @@ def test_without_shared_state_nothing_changes() -> None:
                 await e.stop()
 
     asyncio.run(body())
+
+
+def test_a_replica_recording_with_the_others_reports_replays_exactly(tmp_path: Any) -> None:
+    """The merged reports are recorded inputs: a replica's run replays with zero differences."""
+    record = tmp_path / "a.jsonl"
+
+    async def body() -> None:
+        engines = [await FakeEngine(n).start() for n in ("e0", "e1", "e2")]
+        for e in engines:
+            e.behavior.token_delay_s = 0.01
+        try:
+            with redis_server() as redis:
+                async with AsyncExitStack() as stack:
+                    d = doc(engines, redis, "a")
+                    d["pools"]["m"]["policy"] = "tailguard"
+                    d["pools"]["m"]["limits"] = {"kind": "gradient"}
+                    a = await stack.enter_async_context(run_gateway(parse_fleet(d),
+                                                                    record=record))
+                    d = doc(engines, redis, "b")
+                    d["pools"]["m"]["policy"] = "tailguard"
+                    d["pools"]["m"]["limits"] = {"kind": "gradient"}
+                    b = await stack.enter_async_context(run_gateway(parse_fleet(d)))
+                    await wait_for(lambda: a.fleet.shared is not None
+                                   and a.fleet.shared.replicas == 2, what="met")
+                    async with aiohttp.ClientSession() as s:
+                        got = await asyncio.gather(*(stream(s, (a, b)[i % 2], 5 + i % 20)
+                                                     for i in range(60)))
+                    assert got.count(200) > 30  # the rest: 429 at the limits (no queue)
+                    assert set(got) <= {200, 429}
+                    await asyncio.sleep(0.3)
+        finally:
+            for e in engines:
+                await e.stop()
+
+    asyncio.run(body())
+    records = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+    peers = [r for r in records if r["op"] == "peers"]
+    assert peers and any(r["reports"] for r in peers)
+    assert any(n.get("f") for r in peers for rep in r["reports"].values()
+               for n in rep["nodes"].values())  # b's load was in a's inputs
+    result = replay(records)
+    assert result.differences == []
