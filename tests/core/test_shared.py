@@ -136,3 +136,17 @@ def test_a_recording_with_peer_reports_replays_exactly() -> None:
     assert any(r["op"] == "events" for r in rec)  # a adopted b's decisions
     out = replay(rec)
     assert out.differences == []
+
+
+def test_a_borrowed_budget_spends_into_debt() -> None:
+    from tailguard.core.hedging import HedgeConfig, Hedger
+    from tailguard.core.retry_budget import RetryBudget
+
+    b = RetryBudget(0.2, 0.0)
+    assert not b.try_spend(0.0)
+    b.lent = 1.5  # half of another replica's 3 tokens
+    assert b.try_spend(0.0) and b.balance == -1.0
+    assert not b.try_spend(0.0)  # 0.5 left to borrow: not a whole retry
+    h = Hedger(HedgeConfig(enabled=True))
+    h.credit, h.lent = 0.0, 2.0
+    assert h.try_hedge() and h.credit == -1.0

@@ -78,6 +78,11 @@ def test_gateway_shows_an_emulated_nodes_gpus_and_names_the_throttled_one() -> N
                 t = await telemetry()
                 assert [g["gpu"] for g in t["gpus"]] == [0, 1]  # type: ignore[index]
                 assert t["cause"] is None
+                # a slow replica whose GPUs are all fine: the cause is elsewhere
+                ev = gw.fleet._with_gpu_cause(Event(1.0, "h0", "state", "degraded", "slow"))
+                assert ev.cause == "gpus_healthy"
+                assert ev.reason == ("slow; all 2 GPUs healthy (DCGM): the engine, host or "
+                                     "network then")
                 assert "H100" in str(t["warning"])  # the file said A100
                 emu.server("h0").inject(parse_fault({"kind": "throttle", "factor": 0.5,
                                                      "duration_s": 30}))
@@ -95,6 +100,7 @@ def test_gateway_shows_an_emulated_nodes_gpus_and_names_the_throttled_one() -> N
                                                     "slow: decode 1.9x its peers"))
                 assert ev.reason == ("slow: decode 1.9x its peers; GPU 0 of 2: hardware "
                                      "thermal slowdown, SM clock 0.99 of 1.98 GHz")
+                assert ev.cause == "gpu_throttle"  # what remediation rules match on
                 # One GPU of the pair throttled: it alone is named; the replica runs at its pace.
                 server = emu.server("h0")
                 server.clear_faults()

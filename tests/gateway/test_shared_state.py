@@ -106,6 +106,12 @@ def test_replicas_see_each_others_load_and_cordons_within_a_second() -> None:
                     got = await asyncio.gather(*(stream(s, b, 2) for _ in range(6)))
                     assert got == [200] * 6
                     assert b.fleet.balancer.nodes["e0"].dispatched_total == 0
+                    # budgets: each may borrow half the other's balance (two replicas)
+                    ba, bb = a.fleet.budget("m"), b.fleet.budget("m")
+                    assert ba.balance > 0.5 and bb.balance > 0.5
+                    await wait_for(lambda: abs(bb.lent - ba.balance / 2) < 1e-6
+                                   and abs(ba.lent - bb.balance / 2) < 1e-6,
+                                   timeout=1.0, what="budgets lent")
                     assert await admin(s, b, "/admin/nodes/e0/uncordon") == 200
                     await wait_for(lambda: a.fleet.balancer.nodes["e0"].state is
                                    NodeState.HEALTHY, timeout=1.0, what="a obeys the uncordon")

@@ -146,7 +146,7 @@ def test_command_gets_the_node_in_its_environment(tmp_path: Path) -> None:
     env = json.loads(out.read_text())
     assert env == {"TAILGUARD_NODE_ID": "n1", "TAILGUARD_NODE_URL": "http://127.0.0.1:9",
                    "TAILGUARD_NODE_GPU": "L4", "TAILGUARD_NODE_REASON": "5 consecutive failures",
-                   "TAILGUARD_TRIGGER": "quarantined"}
+                   "TAILGUARD_TRIGGER": "quarantined", "TAILGUARD_CAUSE": ""}
 
 
 def test_command_failure_and_timeout_are_recorded() -> None:
@@ -183,7 +183,7 @@ def test_webhook_posts_json() -> None:
     asyncio.run(body())
     assert got == [{"body": {"node_id": "n1", "node_url": "http://127.0.0.1:9", "node_gpu": "L4",
                              "node_reason": "5 consecutive failures",
-                             "trigger": "quarantined"}, "token": "t"}]
+                             "trigger": "quarantined", "cause": ""}, "token": "t"}]
 
 
 def test_kubernetes_without_the_package_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,3 +251,26 @@ def test_fleet_file_keys_of_the_straggler_work() -> None:
         parse_fleet({**base, "pools": {"m": {"hedging": {"quantile": 2}}}})
     with pytest.raises(ConfigError, match=r"remediation\.rules\[0\]"):
         parse_fleet({**base, "remediation": {"rules": [{"on": "quarantined"}]}})
+
+
+def test_a_rule_with_a_cause_acts_only_on_events_with_that_cause() -> None:
+    with pytest.raises(ConfigError, match=r"rules\[0\].cause"):
+        parse_remediation({"rules": [{"on": "quarantined", "cause": "cosmic_rays",
+                                      "command": ["x"]}]})
+    rem, log, clock, _ = make({"dry_run": True, "cooldown_s": 1, "rules": [
+        {"on": "quarantined", "cause": "gpu_throttle", "kubernetes": {}},
+        {"on": "quarantined", "cause": "gpus_healthy", "command": ["restart-engine"]}]})
+    rem.on_event(quarantined())  # no cause known: neither rule
+    assert actions(log) == []
+    clock.t += 10
+    rem.on_event(Event(0.0, "n1", "state", "quarantined", "slow; GPU 1 of 4: hardware thermal "
+                       "slowdown", cause="gpu_throttle"))
+    got = [e for e in log.since() if e["kind"] == "action"]
+    assert [(e["action"], e["cause"]) for e in got] == [("kubernetes", "gpu_throttle")]
+    clock.t += 10
+    rem.on_event(Event(0.0, "n1", "state", "quarantined", "slow; GPUs healthy",
+                       cause="gpus_healthy"))
+    got = [e for e in log.since() if e["kind"] == "action"]
+    assert [(e["action"], e["cause"]) for e in got][-1] == ("command", "gpus_healthy")
+    assert rem._env(Event(0.0, "n1", "state", "quarantined", "r",
+                          cause="gpu_xid"))["TAILGUARD_CAUSE"] == "gpu_xid"

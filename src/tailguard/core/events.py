@@ -18,3 +18,7 @@ class Event:
     kind: str  # "state" (a state change) or "detect" (a detection without a change)
     state: str
     reason: str
+    # What the driver found behind it ("" unknown): gpu_throttle, gpu_xid (the
+    # node's DCGM page shows it), gpus_healthy (DCGM shows nothing wrong: the
+    # engine, the host or the network then). The core itself never sets it.
+    cause: str = ""

@@ -102,4 +102,6 @@ def pool_to_dict(config: Any) -> dict[str, Any]:
 
 def event_to_dict(event: Any) -> dict[str, Any]:
     out: dict[str, Any] = to_jsonable(event)
+    if not out.get("cause"):
+        out.pop("cause", None)  # the driver's, never the core's: recordings stay as they were
     return out

@@ -89,6 +89,14 @@ class GpuTelemetry:
             out.append("low SM clock")
         return out
 
+    def cause_kind(self) -> str | None:
+        """``gpu_xid``, ``gpu_throttle`` or None: what remediation rules match on."""
+        if self.xid:
+            return "gpu_xid"
+        if self.slowdowns():
+            return "gpu_throttle"
+        return None
+
     def cause(self, of: int | None = None) -> str | None:
         """``GPU 3 of 4: hardware thermal slowdown, SM clock 1.10 of 1.98 GHz``, or None."""
         slow = self.slowdowns()

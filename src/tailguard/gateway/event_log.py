@@ -31,7 +31,10 @@ class EventLog:
         return full
 
     def on_core_event(self, ev: Event) -> None:
-        self.add({"node": ev.node, "kind": ev.kind, "state": ev.state, "reason": ev.reason})
+        entry = {"node": ev.node, "kind": ev.kind, "state": ev.state, "reason": ev.reason}
+        if ev.cause:
+            entry["cause"] = ev.cause
+        self.add(entry)
 
     def since(self, seq: int = 0) -> list[dict[str, Any]]:
         return [e for e in self._entries if e["seq"] > seq]

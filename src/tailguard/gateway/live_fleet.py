@@ -201,14 +201,16 @@ class LiveFleet:
         return pool is not None and bool(pool.nodes)
 
     def _with_gpu_cause(self, ev: Event) -> Event:
-        """A slow node's event names the GPU behind it, when its DCGM page shows one."""
+        """A slow node's event names the GPU behind it, when its DCGM page shows one (or
+        says its GPUs are healthy); ``cause`` gets the kind, for remediation rules."""
         mon = self.monitors.get(ev.node)
         if ev.state not in ("degraded", "quarantined") or mon is None:
             return ev
-        cause = mon.gpu_cause()
-        if cause is None:
+        found = mon.gpu_cause_kind()
+        if found is None:
             return ev
-        return dataclasses.replace(ev, reason=f"{ev.reason}; {cause}")
+        kind, text = found
+        return dataclasses.replace(ev, reason=f"{ev.reason}; {text}", cause=kind)
 
     def ready(self) -> bool:
         return any(n.state.routable for n in self.balancer.nodes.values())

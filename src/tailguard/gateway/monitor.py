@@ -39,6 +39,7 @@ log = logging.getLogger("tailguard.gateway.monitor")
 NO_METRICS_RETRY_S = 30.0
 SCRAPE_BACKOFF_MAX_S = 5.0
 DCGM_INTERVAL_S = 2.0  # dcgm-exporter itself refreshes every 30 s by default; clocks move faster
+DCGM_FRESH_S = 60.0  # older readings name no cause (two of the exporter's own refreshes)
 
 SampleCallback = Callable[[str, float, EngineSample | None], None]
 HealthCallback = Callable[[str, bool], None]
@@ -193,11 +194,22 @@ class NodeMonitor:
 
     def gpu_cause(self) -> str | None:
         """What slows one of the node's GPUs now (the first that is), from DCGM."""
+        found = self.gpu_cause_kind()
+        return found[1] if found is not None else None
+
+    def gpu_cause_kind(self) -> tuple[str, str] | None:
+        """(kind, text) of the first GPU with a cause; ("gpus_healthy", text) when
+        fresh DCGM readings show none; None without readings."""
+        if not self.gpus or time.monotonic() - self.gpus_at > DCGM_FRESH_S:
+            return None
+        n = len(self.gpus)
         for g in self.gpus:
-            cause = g.cause(len(self.gpus) if len(self.gpus) > 1 else None)
-            if cause is not None:
-                return cause
-        return None
+            kind = g.cause_kind()
+            text = g.cause(n if n > 1 else None)
+            if kind is not None and text is not None:
+                return kind, text
+        return "gpus_healthy", f"{'all ' if n > 1 else ''}{n} GPU{'s' if n > 1 else ''} " \
+                               "healthy (DCGM): the engine, host or network then"
 
     async def _dcgm_loop(self) -> None:
         interval = max(self.scrape.interval_s, DCGM_INTERVAL_S)

@@ -14,10 +14,13 @@
           kubernetes: {namespace: inference}  # delete the node's pod (label ``pod``)
         - on: recovered                       # healthy again after a quarantine
           webhook: {url: "https://hooks.example/tailguard", headers: {X-Token: abc}}
+        - on: quarantined                     # only when the node's DCGM page shows
+          cause: gpu_throttle                 # a throttled GPU (gpu_xid: XID errors;
+          kubernetes: {namespace: inference}  # gpus_healthy: DCGM sees nothing wrong)
 
 A command gets ``TAILGUARD_NODE_ID``, ``TAILGUARD_NODE_URL``,
-``TAILGUARD_NODE_GPU``, ``TAILGUARD_NODE_REASON`` and ``TAILGUARD_TRIGGER`` in
-its environment; a webhook gets the same as a JSON body. Every value is
+``TAILGUARD_NODE_GPU``, ``TAILGUARD_NODE_REASON``, ``TAILGUARD_TRIGGER`` and
+``TAILGUARD_CAUSE`` in its environment; a webhook gets the same as a JSON body. Every value is
 checked when the file is read.
 """
 
@@ -32,7 +35,9 @@ from tailguard.errors import ConfigError
 
 TRIGGERS = ("quarantined", "quarantined_repeatedly", "recovered")
 ACTIONS = ("command", "webhook", "kubernetes")
-RULE_KEYS = ("on", "times", "window_s", "timeout_s", *ACTIONS)
+# What a rule's ``cause`` may require of the event (gateway: the node's DCGM page).
+CAUSES = ("gpu_throttle", "gpu_xid", "gpus_healthy")
+RULE_KEYS = ("on", "cause", "times", "window_s", "timeout_s", *ACTIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +52,11 @@ class Rule:
     timeout_s: float = 30.0
     times: int = 3  # quarantined_repeatedly
     window_s: float = 3600.0  # quarantined_repeatedly
+    cause: str | None = None  # only events with this cause (CAUSES); None: any
 
     @property
     def name(self) -> str:
-        return f"{self.on}:{self.action}"
+        return f"{self.on}:{self.action}" + (f":{self.cause}" if self.cause else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,10 @@ def _parse_rule(raw: Any, where: str) -> Rule:
     times = m.get("times", 3)
     if isinstance(times, bool) or not isinstance(times, int) or times < 1:
         raise ConfigError(f"{where}.times", f"must be an integer >= 1, got {times!r}")
-    common: dict[str, Any] = {"on": str(on), "action": action,
+    cause = m.get("cause")
+    if cause is not None and cause not in CAUSES:
+        raise ConfigError(f"{where}.cause", f"unknown cause {cause!r}", list(CAUSES))
+    common: dict[str, Any] = {"on": str(on), "action": action, "cause": cause,
                               "timeout_s": _positive(m, "timeout_s", where, 30.0),
                               "times": times, "window_s": _positive(m, "window_s", where, 3600.0)}
     body = m[action]

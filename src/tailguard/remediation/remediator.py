@@ -77,6 +77,8 @@ class Remediator:
             self._was_quarantined.discard(ev.node)
             triggers.append("recovered")
         for rule in self.config.rules:
+            if rule.cause is not None and rule.cause != ev.cause:
+                continue
             if rule.on == "quarantined_repeatedly" and "quarantined" in triggers:
                 q = self._quarantines[ev.node]
                 while q and q[0] < now - rule.window_s:
@@ -90,6 +92,8 @@ class Remediator:
         cfg = self.config
         key = (ev.node, rule.name)
         base = {"node": ev.node, "kind": "action", "trigger": rule.on, "action": rule.action}
+        if ev.cause:
+            base["cause"] = ev.cause
         last = self._last.get(key)
         if last is not None and now - last < cfg.cooldown_s:
             self._record(base, "cooldown", f"acted {now - last:.0f} s ago")
@@ -130,7 +134,8 @@ class Remediator:
         node = self.fleet.nodes.get(ev.node)
         return {"TAILGUARD_NODE_ID": ev.node, "TAILGUARD_NODE_URL": node.url if node else "",
                 "TAILGUARD_NODE_GPU": node.gpu_class if node else "",
-                "TAILGUARD_NODE_REASON": ev.reason, "TAILGUARD_TRIGGER": ev.state}
+                "TAILGUARD_NODE_REASON": ev.reason, "TAILGUARD_TRIGGER": ev.state,
+                "TAILGUARD_CAUSE": ev.cause}
 
     def _pod(self, rule: Rule, ev: Event) -> tuple[str, str | None]:
         node = self.fleet.nodes.get(ev.node)
