@@ -22,6 +22,7 @@ network and the faults are :mod:`tailguard.sim.nodes`.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -134,6 +135,7 @@ def run_cluster(
     priorities: Sequence[int] | None = None,
     retries: RetryConfig | None = None,
     exchange_type: type[Exchange] = Exchange,
+    gpu_telemetry: bool = False,
 ) -> RunRecord:
     """Simulate one policy on one fleet for one request list; return per-request outcomes."""
     balancer = Balancer(node_specs(plans, model),
@@ -147,7 +149,7 @@ def run_cluster(
                      hedger=Hedger(hedging) if hedging is not None and hedging.enabled else None,
                      limited=limits is not None or admission is not None,
                      priorities=priorities, retries=retries or RetryConfig(),
-                     exchange_type=exchange_type)
+                     exchange_type=exchange_type, gpu_telemetry=gpu_telemetry)
     return sim.run(horizon_s, tick_s, progress)
 
 
@@ -158,8 +160,10 @@ class ClusterSim:
                  arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int], *,
                  seed: int, network_rtt_s: float, faults: Sequence[Fault], step_by_step: bool,
                  hedger: Hedger | None, limited: bool, priorities: Sequence[int] | None,
-                 retries: RetryConfig, exchange_type: type[Exchange]) -> None:
+                 retries: RetryConfig, exchange_type: type[Exchange],
+                 gpu_telemetry: bool = False) -> None:
         n = len(arrivals)
+        self.gpu_telemetry = gpu_telemetry
         self.balancer = balancer
         self.model = model
         self.faults = faults
@@ -266,7 +270,10 @@ class ClusterSim:
                 if self.outstanding > 0:
                     self.push(now + HEALTH_INTERVAL_S, HEALTH)
             else:  # TICK
-                rec.events.extend(self.balancer.tick(now))
+                events = self.balancer.tick(now)
+                if events and self.gpu_telemetry:
+                    events = [self._with_gpu_cause(e) for e in events]
+                rec.events.extend(events)
                 if self.limited:
                     self._place_queued(now)
                 if self.outstanding > 0:
@@ -359,6 +366,13 @@ class ClusterSim:
             self._do(ex, actions, now)
             if ex.ended is not None:
                 self._settle(ex, now)
+
+    def _with_gpu_cause(self, ev: Event) -> Event:
+        """A slow node's event with what its GPUs' telemetry says (as the gateway's)."""
+        if ev.state not in ("degraded", "quarantined"):
+            return ev
+        kind, text = self.nodes[self.by_id[ev.node]].gpu_cause()
+        return dataclasses.replace(ev, reason=f"{ev.reason}; {text}", cause=kind)
 
     def _fault(self, fi: int, ending: bool, now: float) -> None:
         f = self.faults[fi]

@@ -5,7 +5,10 @@ One :class:`SimNode` per node of the fleet: its engine model
 and its fault state. :func:`apply_fault` starts or ends one scenario fault
 on a node; what a fault does:
 
-``throttle``      the engine runs at ``factor`` times its speed
+``throttle``      the engine runs at ``factor`` times its speed; with ``gpu_index``
+                  one GPU of a TP replica does, and the replica, whose every step
+                  waits for its slowest rank, runs at the slowest rank's factor
+                  (throttles of the whole replica multiply with it)
 ``stall``         the engine pauses for ``pause_s`` (repeated every ``period_s``)
 ``crash``         every request held fails, new ones fail to connect, until it ends
 ``error_rate``    that share of requests is answered with a 5xx at once
@@ -36,7 +39,7 @@ class SimNode:
     """One simulated node: its engine, its link and its fault state."""
 
     __slots__ = ("base_speed", "checks_failed", "crashed", "delay", "engine", "error_rate",
-                 "index", "plan", "scheduled", "version")
+                 "index", "plan", "ranks", "scheduled", "throttle", "version")
 
     def __init__(self, index: int, plan: NodePlan, step_by_step: bool) -> None:
         self.index = index
@@ -49,6 +52,27 @@ class SimNode:
         self.error_rate = 0.0
         self.delay = 0.0  # extra one-way network delay (slow_network fault)
         self.checks_failed = 0  # health probes failed in a row
+        self.throttle = 1.0  # the whole replica's throttle factor
+        self.ranks: dict[int, float] = {}  # GPU index -> its throttle factor
+
+    @property
+    def speed(self) -> float:
+        """The replica's speed: its own throttle times its slowest rank's."""
+        slowest = min(self.ranks.values()) if self.ranks else 1.0
+        return self.base_speed * self.throttle * slowest
+
+    def gpu_cause(self) -> tuple[str, str]:
+        """What simulated GPU telemetry (DCGM) would say: (cause kind, text)."""
+        tp = self.plan.perf.tp
+        if self.ranks:
+            k, f = min(self.ranks.items(), key=lambda kv: kv[1])
+            of = f" of {tp}" if tp > 1 else ""
+            return "gpu_throttle", f"GPU {k}{of}: throttled to {f:.0%} of its clock (simulated)"
+        if self.throttle < 1.0:
+            return "gpu_throttle", (f"{'all ' if tp > 1 else ''}{tp} GPU{'s' if tp > 1 else ''}: "
+                                    f"throttled to {self.throttle:.0%} of their clock (simulated)")
+        return "gpus_healthy", (f"{'all ' if tp > 1 else ''}{tp} GPU{'s' if tp > 1 else ''} "
+                                "healthy (simulated DCGM): the engine, host or network then")
 
 
 def health_check(nodes: list[SimNode], balancer: Balancer) -> None:
@@ -78,7 +102,13 @@ def apply_fault(f: Fault, ending: bool, ns: SimNode, now: float, failed: Failed,
     """Start (or, ``ending``, end) fault ``f`` on node ``ns`` at ``now``."""
     eng = ns.engine
     if f.kind == "throttle":
-        eng.set_speed(ns.base_speed if ending else ns.base_speed * f.factor, now)
+        if f.gpu_index is None:
+            ns.throttle = 1.0 if ending else f.factor
+        elif ending:
+            ns.ranks.pop(f.gpu_index, None)
+        else:
+            ns.ranks[f.gpu_index] = f.factor
+        eng.set_speed(ns.speed, now)
     elif f.kind == "stall":
         if not ending:
             eng.stall(f.pause_s, now)

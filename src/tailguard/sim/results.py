@@ -99,7 +99,8 @@ def compute_result(
         "goodput_rps": round(float(meets.sum()) / span, 6),
         "per_gpu": dict(sorted(per_gpu.items())),
         "events": [
-            {"t_s": round(e.t, 3), "node": e.node, "state": e.state, "reason": e.reason}
+            {"t_s": round(e.t, 3), "node": e.node, "state": e.state, "reason": e.reason,
+             **({"cause": e.cause} if e.cause else {})}
             for e in rec.events
         ],
     }

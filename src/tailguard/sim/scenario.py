@@ -13,6 +13,7 @@ A scenario is YAML (see README "Scenario format")::
     workload: {duration_s: 600, warmup_s: 60, arrival: {process: poisson, load: 0.8}, ...}
     faults:
       - {node: "L4#3", kind: throttle, factor: 0.4, at_s: 120, duration_s: 300}
+      - {node: "A100-80GB#0", kind: throttle, factor: 0.5, gpu_index: 2}  # one GPU of a tp: 4 replica
     policies: [round_robin, least_request, seed_weighted, tailguard]
 
 Every value is checked; an error names the field and the allowed values and
@@ -73,6 +74,9 @@ class Fault:
     period_s: float = 10.0  # stall: a pause every period
     pause_s: float = 1.0  # stall: length of each pause
     delay_s: float = 0.0  # slow_network: one-way delay added
+    # throttle: one GPU of a TP replica (None: the whole replica). The replica
+    # steps at its slowest rank's pace, so one rank at ``factor`` slows it all.
+    gpu_index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,9 @@ class Scenario:
     limits: LimitConfig | None = None  # per-node concurrency limits (None: none)
     admission: AdmissionConfig | None = None  # the gateway queue (None: none)
     hedging: HedgeConfig = field(default_factory=HedgeConfig)  # hedged requests (off)
+    # The nodes export DCGM-like GPU readings: a slow node's events name the
+    # throttled GPU (or say its GPUs are healthy), as the gateway's do.
+    gpu_telemetry: bool = False
 
     def nodes(self) -> list[NodePlan]:
         """The fleet expanded to nodes with ids ``GPU#i``; speeds drawn from the seed."""
@@ -209,7 +216,20 @@ def parse_policies(raw: Any, where: str = "policies") -> tuple[PolicyChoice, ...
     return tuple(out)
 
 
-def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tuple[Fault, ...]:
+def _gpu_index(m: Mapping[str, Any], w: str, kind: Any, gpus: int | None) -> int | None:
+    if m.get("gpu_index") is None:
+        return None
+    if kind != "throttle":
+        raise ConfigError(f"{w}.gpu_index", "only a throttle targets one GPU")
+    k = m["gpu_index"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (gpus is not None and k >= gpus):
+        raise ConfigError(f"{w}.gpu_index", f"must be a GPU of the node: 0..{(gpus or 1) - 1}")
+    return k
+
+
+def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults",
+                 gpus: Mapping[str, int] | None = None) -> tuple[Fault, ...]:
+    """The ``faults`` list; ``gpus``: each node's GPU count (for ``gpu_index``)."""
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -219,7 +239,7 @@ def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tu
         w = f"{where}[{i}]"
         m = require_mapping(item, w)
         check_keys(m, ("node", "kind", "at_s", "duration_s", "factor", "rate", "period_s",
-                        "pause_s", "delay_s"), w)
+                        "pause_s", "delay_s", "gpu_index"), w)
         node = m.get("node")
         if node not in node_ids:
             shown = list(node_ids) if len(node_ids) <= 40 else [*node_ids[:40], "..."]
@@ -237,6 +257,7 @@ def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tu
             period_s=number(m, "period_s", w, 10.0),
             pause_s=number(m, "pause_s", w, 1.0),
             delay_s=number(m, "delay_s", w, 0.0, positive=False, minimum=0.0),
+            gpu_index=_gpu_index(m, w, kind, gpus.get(str(node), 1) if gpus else None),
         )
         if kind == "throttle" and "factor" not in m:
             raise ConfigError(f"{w}.factor", "is required for a throttle (speed factor, e.g. 0.4)")
@@ -248,8 +269,9 @@ def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults") -> tu
     return tuple(out)
 
 
-SCENARIO_KEYS = ("limits", "admission", "outliers", "hedging", "name", "seed", "model", "slo", "network_rtt_s", "fleet", "workload", "faults",
-                 "policies", "catalog", "prices")
+SCENARIO_KEYS = ("limits", "admission", "outliers", "hedging", "name", "seed", "model", "slo",
+                 "network_rtt_s", "fleet", "workload", "faults", "policies", "catalog", "prices",
+                 "gpu_telemetry")
 
 
 def parse_scenario(raw: Any, base_dir: Path | None = None,
@@ -299,13 +321,17 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     workload = parse_workload(require_mapping(m["workload"], "workload"), "workload", base_dir)
     scenario = Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, (),
                         parse_policies(m.get("policies")), catalog)
-    ids = [n.id for n in scenario.nodes()]
-    faults = parse_faults(m.get("faults"), ids)
+    planned = scenario.nodes()
+    ids = [n.id for n in planned]
+    faults = parse_faults(m.get("faults"), ids, gpus={n.id: n.perf.tp for n in planned})
+    telemetry = m.get("gpu_telemetry", False)
+    if not isinstance(telemetry, bool):
+        raise ConfigError("gpu_telemetry", "must be true or false")
     return Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, faults,
                     scenario.policies, catalog, parse_outliers(m.get("outliers")),
                     limits=parse_limits(m.get("limits")),
                     admission=parse_admission(m.get("admission")),
-                    hedging=parse_hedging(m.get("hedging")))
+                    hedging=parse_hedging(m.get("hedging")), gpu_telemetry=telemetry)
 
 
 def load_scenario(path: str | Path) -> Scenario:
