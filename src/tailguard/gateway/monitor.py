@@ -195,7 +195,7 @@ class NodeMonitor:
     def gpu_cause(self) -> str | None:
         """What slows one of the node's GPUs now (the first that is), from DCGM."""
         found = self.gpu_cause_kind()
-        return found[1] if found is not None else None
+        return found[1] if found is not None and found[0] != "gpus_healthy" else None
 
     def gpu_cause_kind(self) -> tuple[str, str] | None:
         """(kind, text) of the first GPU with a cause; ("gpus_healthy", text) when
