@@ -27,10 +27,10 @@ What is merged, per node:
   node's limit, ``d`` its demand (requests in flight plus queued): a replica
   that gets more clients gets more of the fleet; shares sum to one, so the
   replicas together never hold more than the limit (up to rounding and one
-  period's staleness); nor does a replica take a permit when its own plus the
-  others' would reach the limit (a replica whose share just shrank keeps its
-  permits until they end). The limit is the mean of the replicas' learned
-  ones. Admission queues stay per replica;
+  period's staleness). The limit is the mean of the replicas' learned ones,
+  each learned with every sample weighted by the replica's share of the
+  node's requests (so it updates as often as one gateway's would). Admission
+  queues stay per replica;
 * **detection**: each replica's own samples and outcomes since its last
   report (cumulative counters, differenced here) join this replica's
   current interval, so every detector sees the whole fleet's samples. One
