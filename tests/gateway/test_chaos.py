@@ -58,9 +58,11 @@ class Load:
         self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
 
     async def stop(self) -> None:
+        """Stop the workers and close the session (again: nothing more to do)."""
         self._stop.set()
         await asyncio.gather(*self._tasks)
-        await self._session.close()
+        if not self._session.closed:
+            await self._session.close()
 
     async def _worker(self, i: int) -> None:
         n = 0
@@ -186,7 +188,7 @@ def bitten(gw: RunningGateway, node: str) -> float:
     """Requests a slow link hurt on ``node``: first-byte timeouts plus streams that stalled > 1 s."""
     timeouts = gw.metrics.upstream_errors.labels(node, "timeout")._value.get()
     reg = gw.metrics.registry
-    labels = {"pool": "m", "node": node, "gpu": "H100"}
+    labels = {"pool": "m", "node": node, "gpu": gw.fleet.balancer.nodes[node].spec.gpu_class}
     gaps = reg.get_sample_value("tailguard_max_token_gap_seconds_count", labels) or 0.0
     quick = reg.get_sample_value("tailguard_max_token_gap_seconds_bucket",
                                  {**labels, "le": "1.0"}) or 0.0
@@ -214,44 +216,49 @@ def test_engine_faults_under_load(tmp_path: Path) -> None:
             fd0, tasks0 = fds(), len(asyncio.all_tasks())
             load = Load(gw, workers=8, max_tokens=16)
             load.start()
-            await wait_for(lambda: load.ok > 30, timeout=20.0, what="traffic")
-            # 0. n1's link turns slow: every write waits longer than the first-byte
-            # timeout, so new requests there time out and go elsewhere, and its
-            # streams under way stall between chunks (the balancer, seeing them
-            # stuck, may send n1 nothing new: then only the stalls show)
-            before = bitten(gw, "n1")
-            await set_fault(nodes[1]["url"], {"kind": "network", "delay_s": 1.6,
-                                              "jitter_s": 0.2, "duration_s": 3})
-            await asyncio.sleep(3.5)
-            assert bitten(gw, "n1") > before  # the slow link did bite
-            # 1. a burst of 5xx from n0
-            await set_fault(nodes[0]["url"], {"kind": "errors", "rate": 1.0, "duration_s": 2})
-            await asyncio.sleep(2.5)
-            # 2. n1 hangs: the process is stopped, its kernel still accepts connections
-            procs[1].send_signal(signal.SIGSTOP)
-            await asyncio.sleep(3.0)
-            procs[1].send_signal(signal.SIGCONT)
-            await asyncio.sleep(1.0)
-            # 3. n2 is killed with streams open, then comes back on its port
-            procs[2].kill()
-            procs[2].wait(timeout=10)
-            await asyncio.sleep(2.0)
-            with engine_process(tmp_path, nodes[2]) as again:
-                await wait_listening(ports[2])
-                # 4. n0 crashes (refuses connections) for 2 s
-                await set_fault(nodes[0]["url"], {"kind": "crash", "duration_s": 2})
+            try:
+                await wait_for(lambda: load.ok > 30, timeout=20.0, what="traffic")
+                # 0. n1's link turns slow: every write waits longer than the first-byte
+                # timeout, so new requests there time out and go elsewhere, and its
+                # streams under way stall between chunks (the balancer, seeing them
+                # stuck, may send n1 nothing new: then only the stalls show)
+                before = bitten(gw, "n1")
+                await set_fault(nodes[1]["url"], {"kind": "network", "delay_s": 1.6,
+                                                  "jitter_s": 0.2, "duration_s": 3})
+                await asyncio.sleep(3.5)
+                # the slow link did bite (a stalled stream counts once it ends)
+                await wait_for(lambda: bitten(gw, "n1") > before, timeout=5.0,
+                               what="a timeout or a stalled stream on n1")
+                # 1. a burst of 5xx from n0
+                await set_fault(nodes[0]["url"], {"kind": "errors", "rate": 1.0, "duration_s": 2})
+                await asyncio.sleep(2.5)
+                # 2. n1 hangs: the process is stopped, its kernel still accepts connections
+                procs[1].send_signal(signal.SIGSTOP)
                 await asyncio.sleep(3.0)
-                mark = load.ok
-                await wait_for(lambda: load.ok > mark + 20, timeout=20.0, what="recovered")
-                await load.stop()
-                await wait_for(lambda: gw.fleet.in_flight() == 0, what="nothing in flight")
-                assert gw.fleet.balancer.double_release == 0
-                for node in gw.fleet.balancer.nodes.values():
-                    assert node.in_flight == 0 and node.prefill_backlog == 0, node.id
-                # connections to clients and engines close within their idle timeouts
-                await wait_for(lambda: fds() <= fd0 + 2 and len(asyncio.all_tasks()) <= tasks0,
-                               timeout=25.0, what=f"fds {fd0} and tasks {tasks0} again")
-                assert again.poll() is None
+                procs[1].send_signal(signal.SIGCONT)
+                await asyncio.sleep(1.0)
+                # 3. n2 is killed with streams open, then comes back on its port
+                procs[2].kill()
+                procs[2].wait(timeout=10)
+                await asyncio.sleep(2.0)
+                with engine_process(tmp_path, nodes[2]) as again:
+                    await wait_listening(ports[2])
+                    # 4. n0 crashes (refuses connections) for 2 s
+                    await set_fault(nodes[0]["url"], {"kind": "crash", "duration_s": 2})
+                    await asyncio.sleep(3.0)
+                    mark = load.ok
+                    await wait_for(lambda: load.ok > mark + 20, timeout=20.0, what="recovered")
+                    await load.stop()
+                    await wait_for(lambda: gw.fleet.in_flight() == 0, what="nothing in flight")
+                    assert gw.fleet.balancer.double_release == 0
+                    for node in gw.fleet.balancer.nodes.values():
+                        assert node.in_flight == 0 and node.prefill_backlog == 0, node.id
+                    # connections to clients and engines close within their idle timeouts
+                    await wait_for(lambda: fds() <= fd0 + 2 and len(asyncio.all_tasks()) <= tasks0,
+                                   timeout=25.0, what=f"fds {fd0} and tasks {tasks0} again")
+                    assert again.poll() is None
+            finally:
+                await load.stop()  # a failed step must not leave the workers running
         return load
 
     with engine_process(tmp_path, nodes[0]) as p0, engine_process(tmp_path, nodes[1]) as p1, \
