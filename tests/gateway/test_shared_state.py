@@ -286,7 +286,7 @@ def test_a_replica_recording_with_the_others_reports_replays_exactly(tmp_path: A
             for e in engines:
                 await e.stop()
 
-    asyncio.run(body())
+    asyncio.run(asyncio.wait_for(body(), 60))
     records = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
     peers = [r for r in records if r["op"] == "peers"]
     assert peers and any(r["reports"] for r in peers)

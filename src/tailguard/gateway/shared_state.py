@@ -113,6 +113,7 @@ class SharedState:
         self._redis: Redis | None = None
         self._script: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -127,9 +128,13 @@ class SharedState:
         self._task = asyncio.create_task(self._loop(), name="shared-state")
 
     async def stop(self) -> None:
+        self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # A cancel that lands as a sync's own timeout fires is taken for the
+            # timeout (Python 3.11's asyncio.timeout): cancel until it is done.
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.5)
             self._task = None
         if self._redis is not None:
             try:  # leave at once rather than after ttl_s: the others stop counting us
@@ -150,7 +155,7 @@ class SharedState:
     async def _loop(self) -> None:
         period = self.config.period_s
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closing:
             t0 = loop.time()
             try:
                 async with asyncio.timeout(self.config.timeout_s):
