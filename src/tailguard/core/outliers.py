@@ -387,15 +387,10 @@ class OutlierDetector:
             for node in nodes.values():
                 h = self.health[node.id]
                 v = verdicts.get(node.id)
-                h.window.append((h.requests, h.failures))
-                if len(h.window) > self.config.failure_window:
-                    h.window.popleft()
+                self._push_window(h)
                 if v is not None:
                     h.slowness = v.slowness
-                self._learn_history(node, h, v)
-                h.prefill.reset()
-                h.decode.reset()
-                h.requests = h.failures = 0
+                self._close_interval(node, h, v)
         self._next_eval = now + self.config.interval_s
 
     def adopt(self, node: Node, state: NodeState, weight_scale: float, ejections: int,
@@ -517,11 +512,7 @@ class OutlierDetector:
             h = self.health[node.id]
             v = verdicts.get(node.id)
             state = node.state
-            h.window.append((h.requests, h.failures))
-            if len(h.window) > cfg.failure_window:
-                h.window.popleft()
-            requests = sum(r for r, _ in h.window)
-            failures = sum(f for _, f in h.window)
+            requests, failures = self._push_window(h)
             if (state.routable and requests >= cfg.failure_min_requests
                     and failures >= cfg.failure_ratio * requests):
                 h.window.clear()
@@ -534,10 +525,21 @@ class OutlierDetector:
                 if node.weight_scale >= 1.0:
                     self._set(node, h, NodeState.HEALTHY, now, pools, events,
                               "recovered: weight regained without samples")
-            self._learn_history(node, h, v)
-            h.prefill.reset()
-            h.decode.reset()
-            h.requests = h.failures = 0
+            self._close_interval(node, h, v)
+
+    def _push_window(self, h: NodeHealth) -> tuple[int, int]:
+        """The interval's outcomes into the failure window; the window's totals."""
+        h.window.append((h.requests, h.failures))
+        if len(h.window) > self.config.failure_window:
+            h.window.popleft()
+        return sum(r for r, _ in h.window), sum(f for _, f in h.window)
+
+    def _close_interval(self, node: Node, h: NodeHealth, v: Verdict | None) -> None:
+        """Learn the node's history from the interval, then start the next one."""
+        self._learn_history(node, h, v)
+        h.prefill.reset()
+        h.decode.reset()
+        h.requests = h.failures = 0
 
     def _judge(self, node: Node, h: NodeHealth, v: Verdict, now: float, pools: list[PoolView],
                rng: Random, events: list[Event]) -> None:

@@ -251,8 +251,8 @@ class SharedState:
                 continue
             self._ops_seen[node_id] = op
             try:
-                state = NodeState(json.loads(op)["state"])
-                by = json.loads(op)["by"]
+                parsed = json.loads(op)
+                state, by = NodeState(parsed["state"]), parsed["by"]
             except (ValueError, KeyError, TypeError):
                 continue
             node = self.fleet.balancer.nodes.get(node_id)
