@@ -106,7 +106,9 @@ def test_pooled_samples_detect_as_fast_as_one_gateway_and_followers_obey() -> No
     alone = drive([make(0)], 40.0, "n3")["r0"]
     three = drive([make(0), make(1), make(2)], 40.0, "n3")
     assert set(three) == {"r0", "r1", "r2"}
-    assert three["r0"] <= 1.5 * alone  # the leader, on everyone's samples
+    # the leader, on everyone's samples: as soon as one gateway would be, give or take
+    # the syncs that bring the others' samples (every 0.25 s)
+    assert three["r0"] <= max(1.5 * alone, alone + 1.0)
     assert max(three["r1"], three["r2"]) <= three["r0"] + 0.5  # followers within two syncs
 
 

@@ -449,7 +449,13 @@ class Balancer:
             return
         node.capacity.prefill.update(ttft, expected)
         if self.outliers is not None:
-            self.outliers.on_prefill(node, ttft, expected, ticket.t_first)
+            pool = ticket.pool
+            queued = running_batch(node.perf, node.slots, ticket.batch_at_dispatch,
+                                   pool.mean_prompt + pool.mean_output) < ticket.batch_at_dispatch
+            own = max(0, ticket.prompt_tokens - (cached_tokens or 0))
+            self.outliers.on_prefill(node, ttft, expected, ticket.t_first,
+                                     int(ticket.ahead_tokens) + own, ticket.batch_at_dispatch,
+                                     queued)
 
     def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int,
                   *, judged: bool = True, timed: bool = True,
@@ -509,7 +515,7 @@ class Balancer:
             expected_step = decode_step_s(node.perf, batch, ctx)
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is not None:
-                self.outliers.on_decode(node, tpot, expected_step)
+                self.outliers.on_decode(node, tpot, expected_step, batch)
 
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
         """Charge ``node_id`` with a failure released unjudged, now that it is the node's.

@@ -9,33 +9,70 @@ Signal
 ------
 Every first token and every successful finish gives the balancer one latency
 sample and what the roofline model expected for it *at the batch and backlog
-it met* (:mod:`tailguard.core.predict`). The detector keeps, per node and per
-interval (``interval_s``, default 5 s), the mean of ``log(observed/expected)``
-separately for prefill (TTFT) and decode (TPOT): O(1) per request. At the end
-of an interval each node's value ``x`` is calibrated:
+it met* (:mod:`tailguard.core.predict`): ``x = log(observed/expected)``,
+separately for prefill (TTFT) and decode (TPOT). The roofline is a prior, not
+the truth: real engines add fixed per-request overheads (tokenising, HTTP,
+scheduling) that dominate a short or cached prompt, and on a CPU the time per
+token grows with the batch, which a GPU roofline does not assume (measured on
+llama.cpp with one thread: batch 2 steps 2.2x slower than batch 1). So a
+sample is never judged against the roofline itself but against the same kind
+of sample on healthy peers: each sample falls into a **bucket** (decode: the
+running batch in powers of two; prefill: the tokens computed before the
+first token, the backlog ahead plus the prompt's uncached part, in powers of
+two, times the batch it joined in powers of two, since a short prompt's first
+token waits for the step that also computes its neighbours' prompts; a
+request that waited for an engine slot, which the roofline does not price,
+has buckets of its own), and its residual is
 
-* against the **median of its GPU class** when at least ``min_peers`` (3)
-  nodes of the class have samples in the interval: the roofline's systematic
-  error (chunked-prefill interference, engine overheads) cancels, because
-  identical cards at similar load share it;
-* else against the node's **own healthy history** (an EWMA over the
-  intervals it spent healthy and unflagged; no verdict before
-  ``history_intervals`` of it).
+    r = x - reference(bucket)
 
-The calibrated slowness is ``s = exp(x - reference)``. Within a class the
-spread is judged robustly with the modified z-score of Iglewicz and Hoaglin
-(1993), ``M = 0.6745 (x - median) / MAD``; a node is *flagged* for the interval
-when ``M > z_threshold`` (3.5) or when ``s > slow_ratio`` (1.5) whatever its
-peers do. The MAD is floored at ``mad_floor`` (0.05 in log space, about 5%):
-identical SKUs differ by ~8% on average (SC'22, "Not All GPUs Are Created
-Equal"), and with a near-zero MAD a 10% card would score as an outlier.
+with the reference
 
-Worked example: four A100s with decode log-ratios 0.47, 0.50, 0.52, 1.42 (the
-last throttled to 40%: 2.5x slower). Median 0.51; absolute deviations 0.04,
-0.01, 0.01, 0.91, MAD 0.025, floored to 0.05; the throttled node scores
-``0.6745 * 0.91 / 0.05 = 12.3 > 3.5`` and its slowness is ``exp(0.91) = 2.5x``;
-the node at 0.47 scores -0.5. With speeds spread +-10% the largest deviation is
-``log(1.1/0.9) = 0.2``, ``M = 2.7``: not flagged.
+* the **median of the other healthy nodes of its GPU class** in that bucket,
+  each node's recent level there (a mean decayed with a half-life of
+  ``level_half_life_s``, 15 s): identical cards at the same batch share the
+  roofline's error, which then cancels, and a node slow *from its first
+  request* is compared with its peers from its first request; two nodes are
+  enough (the slower one is the outlier: nobody is flagged for being fast);
+* else the node's **own history** in that bucket: its level the last time it
+  was healthy and showed no excess (a class of one);
+* else nothing: the sample only teaches the node's own level.
+
+Evidence, not a fixed sample count
+----------------------------------
+Each node keeps, per kind, Page's CUSUM (Page 1954, "Continuous inspection
+schemes") of its residuals in units of its own sample noise ``sigma`` (an EWMA
+of the spread around its recent mean, floored at ``sigma_floor``):
+
+    S = min(2h, max(0, S + (r - k) / sigma)),   k = 0.75 log(slow_ratio)
+
+so every sample slower than ``exp(k)`` (1.36x at the default ``slow_ratio``
+1.5) adds evidence and every faster one removes it, whatever the request rate;
+one sample adds at most 3 (a GC pause or a cold cache is one sample, not a
+verdict).
+The kind is *flagged* when ``S >= h`` (``evidence``, 6), at least
+``min_samples`` (2) samples make up the current excess, and the node's recent
+slowness ``s = exp(EWMA of r)`` (about the last two or three samples) exceeds
+``slow_ratio``. The two guards cover each other: the CUSUM needs sustained
+evidence, so one slow burst is not enough; the recent slowness makes the flag
+fall as soon as the node is fast again (the capped CUSUM alone would take a
+dozen samples to drain). At ten samples per interval a node 2.5x slow for its
+class (``r = 0.92``, ``sigma`` 0.15) crosses ``h`` in two samples; at under one
+request per second the same evidence takes as many seconds as the samples take
+to arrive, and an interval with no new sample gives no verdict at all.
+
+Why ``k`` is 0.75 of the threshold and not Page's half: identical SKUs differ by
+~8% on average (SC'22, "Not All GPUs Are Created Equal") and a simulated fleet
+spreads them +-10%: a card 1.22x slower than its class median must drift
+*down*, or a zero-drift CUSUM would reach ``h`` by chance over an hour.
+
+Worked example: an A100 throttled to 40% among three healthy ones, decode
+``sigma`` 0.15 (a simulated fleet's). Its residuals are ``log(2.5) = 0.92``; each
+would add ``(0.92 - 0.30) / 0.15 = 4.1``, capped at 3, so ``S`` passes ``h`` at
+the second sample and is 9 after three, and ``s``, which moves half of the way
+per sample, is then ``2.5 ** (1 - 0.5 ** 3) = 2.23x``: flagged. A healthy
+peer 10% slower than the median (``r = 0.10``) moves ``S`` by -1.3 per sample
+and stays at 0.
 
 Failures (Envoy outlier detection): ``consecutive_failures`` (5) node failures
 in a row (connect failure, timeout, 5xx; a 429 or a client's own error says
@@ -61,8 +98,8 @@ Lifecycle
 * **degraded**: still routed, ``weight_scale = 1/s`` (the policy divides its
   cost by it, so the node is priced at the speed it really has), refreshed
   every interval; ``recover_intervals`` clean intervals make it healthy (an
-  interval without samples multiplies its weight by ``regain_factor``, so
-  the router tries it again and it is healthy once the weight is back to 1). A
+  interval without samples multiplies its weight by ``regain_factor``, up to
+  1, so the router tries it again; only clean samples make it healthy). A
   slow node still delivers capacity the pool may need: taking a card at 40%
   out of a busy fleet makes every other node's queue longer (measured: P99
   TTFT 16x the no-fault run instead of 1.1x), so only a node at least
@@ -92,7 +129,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from random import Random
 from typing import Protocol
 
@@ -100,7 +137,9 @@ from tailguard.core.events import Event
 from tailguard.core.fleet import Node, NodeState, Outcome
 
 _MAD_SCALE = 0.6745  # Iglewicz-Hoaglin: MAD -> sigma for a normal sample
-_CLAMP = 3.0  # one sample's log-ratio is clamped: a single 100x hiccup is one sample
+# One sample's log-ratio is clamped (a single hiccup is one sample), far out: on an
+# unknown card (a CPU) the roofline prior is off by 100x before anything is learnt.
+_CLAMP = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +149,25 @@ class OutlierConfig:
     enabled: bool = True
     interval_s: float = 5.0
     consecutive_intervals: int = 2  # K: flagged intervals in a row before acting
-    z_threshold: float = 3.5
-    slow_ratio: float = 1.5  # absolute bound on calibrated slowness
+    # ...except a decode flag this slow, which acts at once: TPOT carries no
+    # queue, and a node this slow for its class is not a burst of contention.
+    sure_ratio: float = 2.5
+    slow_ratio: float = 1.5  # recent slowness for its class that flags a node
     # Slow but working nodes are degraded (priced at their measured speed);
     # only this slow are they worth nothing to the pool and quarantined.
     quarantine_ratio: float = 3.0
-    mad_floor: float = 0.05  # in log space: the card-to-card spread must not trigger
-    min_peers: int = 3
-    min_samples: int = 3  # per kind and interval
-    history_intervals: int = 3  # own-history calibration needs this many
-    history_alpha: float = 0.2
+    evidence: float = 6.0  # h: CUSUM evidence (in sigmas) before a flag
+    sigma_floor: float = 0.1  # per-sample noise floor, log space
+    # A node's sample noise before it has any, learnt within ~20 samples:
+    # cautious for TTFT (a real engine's spreads by 2x and more with what it
+    # computes beside it), less for TPOT (0.25-0.3 measured on llama.cpp).
+    prefill_sigma_prior: float = 0.5
+    decode_sigma_prior: float = 0.3
+    min_samples: int = 2  # samples in the current excess before a flag (one is never enough)
+    level_half_life_s: float = 15.0  # how fast a node's per-bucket level forgets
     recover_intervals: int = 3  # clean intervals before a degraded node is healthy
     # A degraded node the router stops using gives no samples to clear it: it
-    # regains weight by this factor per interval without samples, healthy at 1.
+    # regains weight by this factor per interval without samples (up to 1).
     regain_factor: float = 1.25
     consecutive_failures: int = 5
     failure_ratio: float = 0.25
@@ -153,40 +198,126 @@ class PoolView(Protocol):
     def invalidate(self) -> None: ...
 
 
-class _Kind:
-    """One interval's samples of one kind (prefill or decode) on one node.
+_EW_ALPHA = 0.5  # the recent slowness: about the last two or three samples
+_VAR_ALPHA = 0.05  # the sample noise: about the last twenty
 
-    ``own_n``/``own_total`` count this driver's own samples since it started,
-    never reset: what a gateway replica publishes for the others to pool
-    (core/shared.py); :meth:`absorb` adds theirs to the interval only.
+
+def decode_bucket(batch: int) -> int:
+    """A decode sample's bucket: its running batch in powers of two (1, 2, 3-4, 5-8, ...)."""
+    return (batch - 1).bit_length() if batch > 1 else 0
+
+
+_FRESH = 2  # intervals since a peer's last sample in a bucket for it to be a reference
+_STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
+_TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)
+_QUEUED = 16 * _TOKEN_BUCKETS  # added when the request waited for an engine slot
+
+
+def prefill_bucket(tokens: int) -> int:
+    """A prefill sample's bucket: the tokens computed before its first token in
+    powers of two (0-1, 2-3, 4-7, ..., at most 24)."""
+    b = tokens.bit_length()
+    return b if b < 24 else 24
+
+
+class _Evidence:
+    """One kind (prefill or decode) of one node: levels, residual evidence, counters.
+
+    ``levels[b]`` = [decayed count, decayed sum of x, interval of the last sample]:
+    the node's recent level in
+    bucket b, what its peers are compared with. ``history[b]``: its level when
+    it was last healthy and clean. ``n``/``total``: residuals this interval
+    (``absorb`` adds other replicas'); ``own_n``/``own_total`` count this
+    driver's own residuals since it started, never reset: what a gateway
+    replica publishes for the others to pool (core/shared.py).
     """
 
-    __slots__ = ("n", "own_n", "own_total", "total")
+    __slots__ = ("cusum", "ew", "history", "levels", "n", "own_n", "own_total", "peers", "refs",
+                 "run", "seen", "total", "var")
 
-    def __init__(self) -> None:
+    def __init__(self, sigma_prior: float) -> None:
+        self.levels: dict[int, list[float]] = {}
+        self.history: dict[int, float] = {}
+        self.refs: dict[int, float] = {}  # this interval's reference per bucket
+        self.peers = False  # the last reference came from class peers (else own history)
+        self.cusum = 0.0
+        self.run = 0  # samples since the CUSUM was last at 0
+        self.ew = 0.0  # EWMA of the residuals: log of the recent slowness
+        self.seen = 0  # residuals ever
+        self.var = sigma_prior * sigma_prior
         self.n = 0
         self.total = 0.0
         self.own_n = 0
         self.own_total = 0.0
 
-    def add(self, observed: float, expected: float) -> None:
-        if observed <= 0.0 or expected <= 0.0:
-            return
-        x = math.log(observed / expected)
-        x = _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
-        self.total += x
-        self.n += 1
-        self.own_total += x
-        self.own_n += 1
+    def level(self, b: int, interval: int) -> float | None:
+        """The recent level in bucket ``b``: at least two samples' worth, the last
+        within ``_FRESH`` intervals (a peer that stopped running such requests
+        half a minute ago says nothing of how they run now)."""
+        lv = self.levels.get(b)
+        if lv is None or lv[0] < 2.0 or interval - lv[2] > _FRESH:
+            return None
+        return lv[1] / lv[0]
 
-    def absorb(self, n: int, total: float) -> None:
+    def learn(self, b: int, x: float, interval: int) -> None:
+        lv = self.levels.get(b)
+        if lv is None:
+            self.levels[b] = [1.0, x, float(interval)]
+        else:
+            lv[0] += 1.0
+            lv[1] += x
+            lv[2] = float(interval)
+
+    def add(self, r: float, n: int, allowance: float, cap: float, floor: float) -> None:
+        """``n`` residuals of mean ``r`` (one sample, or a peer replica's batch)."""
+        sigma = math.sqrt(self.var)
+        if sigma < floor:
+            sigma = floor
+        if self.seen == 0:
+            self.ew = r
+        else:
+            d = r - self.ew
+            if self.cusum < 0.25 * cap:  # in control (under h/2): learn the noise, not the excess
+                # winsorised at 2 sigma: the first samples of a fault must not pass for noise
+                dd = d * d if d * d < 4.0 * self.var else 4.0 * self.var
+                self.var += _VAR_ALPHA * (dd - self.var)
+            self.ew += (1.0 - (1.0 - _EW_ALPHA) ** n) * d
+        step = (r - allowance) / sigma
+        if step > _STEP_CAP:  # one wild sample (a GC pause, a cold cache) is not evidence
+            step = _STEP_CAP
+        cusum = self.cusum + n * step
+        if cusum <= 0.0:
+            self.cusum = 0.0
+            self.run = 0
+        else:
+            self.cusum = cusum if cusum < cap else cap
+            self.run += n
+        self.seen += n
         self.n += n
-        self.total += total
+        self.total += n * r
 
-    def mean(self, min_samples: int) -> float | None:
-        return self.total / self.n if self.n >= min_samples else None
+    def restart(self) -> None:
+        """Evidence starts afresh (the node was judged anew: healthy, or on probation)."""
+        self.cusum = 0.0
+        self.run = 0
+        self.ew = 0.0
+        self.seen = 0
 
-    def reset(self) -> None:
+    def close(self, decay: float, clean: bool) -> None:
+        """End of an interval: levels decay, and so does the evidence of an interval
+        without samples (a node slow a minute ago and not asked since is not known
+        to be slow now); a clean healthy node's levels are its history."""
+        if self.n == 0:
+            self.cusum *= decay
+        for b in list(self.levels):
+            lv = self.levels[b]
+            if clean and lv[0] >= 2.0:
+                self.history[b] = lv[1] / lv[0]
+            lv[0] *= decay
+            lv[1] *= decay
+            if lv[0] < 0.05:
+                del self.levels[b]
+        self.refs.clear()
         self.n = 0
         self.total = 0.0
 
@@ -203,7 +334,6 @@ class NodeHealth:
         "ejections",
         "failures",
         "flagged_streak",
-        "history",
         "known_state",
         "last_progress",
         "own_failures",
@@ -218,12 +348,12 @@ class NodeHealth:
         "window",
     )
 
-    def __init__(self, now: float) -> None:
-        self.prefill = _Kind()
-        self.decode = _Kind()
+    def __init__(self, now: float, config: OutlierConfig) -> None:
+        self.prefill = _Evidence(config.prefill_sigma_prior)
+        self.decode = _Evidence(config.decode_sigma_prior)
         self.requests = 0
         self.failures = 0
-        self.own_requests = 0  # this driver's own, never reset (see _Kind)
+        self.own_requests = 0  # this driver's own, never reset (see _Evidence)
         self.own_failures = 0
         self.reason = ""  # why the node is in its state (the last transition's reason)
         # (requests, failures) of the last failure_window intervals, current excluded.
@@ -231,8 +361,6 @@ class NodeHealth:
         self.consecutive_failures = 0
         self.flagged_streak = 0
         self.clean_streak = 0
-        # Own-history references [prefill, decode]: (EWMA of x, intervals seen).
-        self.history: list[tuple[float, int]] = [(0.0, 0), (0.0, 0)]
         self.slowness = 1.0
         self.ejections = 0
         self.eject_until = math.inf
@@ -254,6 +382,10 @@ class Verdict:
     # The smaller of the two: what both kinds agree on. TTFT carries the queue a
     # node built before it was caught, so quarantine waits for decode too.
     floor: float = 0.0
+    # Decode evidence flagged it at sure_ratio or slower: no second interval
+    # needed (a TTFT flag always waits for one: load spilled onto a healthy peer
+    # lengthens its queue for a while).
+    sure: bool = False
 
 
 class OutlierDetector:
@@ -271,15 +403,31 @@ class OutlierDetector:
         # (core/shared.py): it keeps pooling samples and learning each node's
         # history, so it can take over, but changes no state itself.
         self.authority = True
+        # The records of each GPU class (a node's peers), rebuilt when nodes come or go.
+        self._classes: dict[str, list[tuple[Node, NodeHealth]]] = {}
+        self._classes_for = -1
+        self._interval = 0  # intervals closed so far: the age of a node's levels
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
     def _rec(self, node: Node, now: float) -> NodeHealth:
         h = self.health.get(node.id)
         if h is None:
-            h = self.health[node.id] = NodeHealth(now)
+            h = self.health[node.id] = NodeHealth(now, self.config)
             h.known_state = node.state
+            self._classes_for = -1
         return h
+
+    def _peers(self, nodes: Mapping[str, Node]) -> None:
+        if self._classes_for == len(nodes):
+            return
+        classes: dict[str, list[tuple[Node, NodeHealth]]] = {}
+        for node in nodes.values():
+            h = self.health.get(node.id)
+            if h is not None:
+                classes.setdefault(node.spec.gpu_class, []).append((node, h))
+        self._classes = classes
+        self._classes_for = len(nodes)
 
     # Records are created by tick (every node, every tick): the request path
     # only looks them up, and drops the samples of a node not yet ticked.
@@ -290,16 +438,73 @@ class OutlierDetector:
         if h is not None:
             h.last_progress = now
 
-    def on_prefill(self, node: Node, ttft: float, expected: float, now: float) -> None:
+    def on_prefill(self, node: Node, ttft: float, expected: float, now: float,
+                   tokens: int = 0, batch: int = 1, queued: bool = False) -> None:
+        """A TTFT sample: ``tokens`` the engine had to compute before this first token
+        (the backlog ahead plus the prompt's uncached part), ``batch`` requests on the
+        node with it at dispatch (a short prompt's first token waits for the step
+        that computes the others' prompts too); ``queued``: it found every engine
+        slot taken and waited for one, a wait the roofline does not price."""
         h = self.health.get(node.id)
         if h is not None:
             h.last_progress = now
-            h.prefill.add(ttft, expected)
+            b = prefill_bucket(tokens) + _TOKEN_BUCKETS * decode_bucket(batch)
+            self._sample(node, h, 0, b + _QUEUED if queued else b, ttft, expected)
 
-    def on_decode(self, node: Node, tpot: float, expected: float) -> None:
+    def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1) -> None:
         h = self.health.get(node.id)
         if h is not None:
-            h.decode.add(tpot, expected)
+            self._sample(node, h, 1, decode_bucket(batch), tpot, expected)
+
+    def _sample(self, node: Node, h: NodeHealth, k: int, b: int, observed: float,
+                expected: float) -> None:
+        if observed <= 0.0 or expected <= 0.0:
+            return
+        x = math.log(observed / expected)
+        x = _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
+        ev = h.prefill if k == 0 else h.decode
+        ev.learn(b, x, self._interval)
+        ref = ev.refs.get(b)
+        if ref is None:
+            ref = self._reference(node, ev, k, b)
+            if ref is None:
+                return
+        cfg = self.config
+        r = x - ref
+        ev.add(r, 1, 0.75 * math.log(cfg.slow_ratio), 2.0 * cfg.evidence, cfg.sigma_floor)
+        ev.own_n += 1
+        ev.own_total += r
+
+    def _reference(self, node: Node, ev: _Evidence, k: int, b: int) -> float | None:
+        """The median level of the node's healthy, clean class peers in bucket ``b``, else
+        the node's own history there; cached for the interval once found."""
+        peers = [(oh.prefill if k == 0 else oh.decode)
+                 for other, oh in self._classes.get(node.spec.gpu_class, ())
+                 if other is not node and other.state is NodeState.HEALTHY
+                 and not oh.flagged_streak]
+        levels: list[float] = []
+        # The bucket itself, else (prefill) the next octave of tokens at the same
+        # batch: at low rates a node's peers may not have run exactly its kind of
+        # request. Never another batch: on a CPU a batch of two steps 2x slower.
+        near = (b, b - 1, b + 1) if k == 0 else (b,)
+        for bb in near:
+            if bb // _TOKEN_BUCKETS != b // _TOKEN_BUCKETS:
+                continue
+            for oev in peers:
+                lv = oev.level(bb, self._interval) if oev.cusum < self.config.evidence else None
+                if lv is not None:
+                    levels.append(lv)
+            if levels:
+                break
+        if levels:
+            ref: float | None = _median(levels)
+            ev.peers = True
+        else:
+            ref = ev.history.get(b)
+            ev.peers = False
+        if ref is not None:
+            ev.refs[b] = ref
+        return ref
 
     def on_outcome(self, node: Node, outcome: Outcome, now: float) -> None:
         h = self.health.get(node.id)
@@ -329,8 +534,11 @@ class OutlierDetector:
         h = self.health.get(node_id)
         if h is None:
             return
-        h.prefill.absorb(*prefill)
-        h.decode.absorb(*decode)
+        cfg = self.config
+        allowance, cap = 0.75 * math.log(cfg.slow_ratio), 2.0 * cfg.evidence
+        for ev, (n, total) in ((h.prefill, prefill), (h.decode, decode)):
+            if n > 0:
+                ev.add(total / n, n, allowance, cap, cfg.sigma_floor)
         h.requests += requests
         h.failures += failures
         if failures:
@@ -340,6 +548,7 @@ class OutlierDetector:
                 h.consecutive_failures += failures
 
     def forget(self, node_id: str) -> None:
+        self._classes_for = -1
         h = self.health.pop(node_id, None)
         if h is not None and h.known_state is NodeState.PROBATION:
             self.on_probation -= 1
@@ -352,6 +561,7 @@ class OutlierDetector:
         cfg = self.config
         events: list[Event] = []
         pool_list = list(pools)
+        self._peers(nodes)
         if not self.authority:
             self._follow(now, nodes)
             return events
@@ -370,9 +580,12 @@ class OutlierDetector:
                 reason = self._failure_reason(node, h, now)
                 if reason is not None:
                     self._eject(node, h, now, pool_list, rng, events, reason)
+                elif node.state is NodeState.HEALTHY and h.decode.cusum >= cfg.evidence:
+                    self._sure(node, h, now, pool_list, events)
         if now >= self._next_eval:
             if self._next_eval >= 0.0:
                 self._evaluate(now, nodes, pool_list, rng, events)
+                self._interval += 1
             self._next_eval = now + cfg.interval_s
         return events
 
@@ -391,6 +604,7 @@ class OutlierDetector:
                 if v is not None:
                     h.slowness = v.slowness
                 self._close_interval(node, h, v)
+            self._interval += 1
         self._next_eval = now + self.config.interval_s
 
     def adopt(self, node: Node, state: NodeState, weight_scale: float, ejections: int,
@@ -435,6 +649,8 @@ class OutlierDetector:
                 node.weight_scale = 1.0
                 h.flagged_streak = 0
                 h.consecutive_failures = 0
+                h.prefill.restart()
+                h.decode.restart()
             h.known_state = node.state
 
     @staticmethod
@@ -459,49 +675,39 @@ class OutlierDetector:
 
     # -- interval evaluation -----------------------------------------------------
 
-    def verdicts(self, nodes: Mapping[str, Node]) -> dict[str, Verdict]:
-        """Calibrated slowness of every node with samples in the current interval."""
+    def _flag(self, name: str, ev: _Evidence) -> tuple[float, bool, str]:
+        """One kind's recent slowness, whether it is flagged, and why."""
         cfg = self.config
-        by_class: dict[str, list[tuple[Node, NodeHealth]]] = {}
+        s = math.exp(ev.ew)
+        flagged = ev.cusum >= cfg.evidence and ev.run >= cfg.min_samples and s > cfg.slow_ratio
+        how = "class peers" if ev.peers else "own history"
+        return s, flagged, f"{name} {s:.2f}x {how} (evidence {ev.cusum:.1f} over {ev.run} samples)"
+
+    def verdicts(self, nodes: Mapping[str, Node]) -> dict[str, Verdict]:
+        """Slowness of every node with new evidence in the current interval, and its flag."""
+        cfg = self.config
+        out: dict[str, Verdict] = {}
         for node in nodes.values():
             h = self.health.get(node.id)
-            if h is not None:
-                by_class.setdefault(node.spec.gpu_class, []).append((node, h))
-        out: dict[str, Verdict] = {}
-        for members in by_class.values():
-            for k in (0, 1):
-                name = "prefill" if k == 0 else "decode"
-                xs: list[tuple[Node, NodeHealth, float]] = []
-                for node, h in members:
-                    x = (h.prefill if k == 0 else h.decode).mean(cfg.min_samples)
-                    if x is not None:
-                        xs.append((node, h, x))
-                peers = len(xs) >= cfg.min_peers
-                med = mad = 0.0
-                if peers:
-                    med = _median([x for _, _, x in xs])
-                    mad = max(_median([abs(x - med) for _, _, x in xs]), cfg.mad_floor)
-                for node, h, x in xs:
-                    if peers:
-                        ref, how = med, "class median"
-                        z = _MAD_SCALE * (x - med) / mad
+            if h is None:
+                continue
+            best: Verdict | None = None
+            sure = False
+            for name, ev in (("prefill", h.prefill), ("decode", h.decode)):
+                if ev.n == 0:  # no new sample: no verdict
+                    continue
+                s, flagged, why = self._flag(name, ev)
+                sure = sure or (flagged and name == "decode" and s >= cfg.sure_ratio)
+                if best is None:
+                    best = Verdict(s, flagged, why, s)
+                else:
+                    floor = min(s, best.floor)
+                    if (flagged, s) > (best.flagged, best.slowness):
+                        best = Verdict(s, flagged, why, floor)
                     else:
-                        hist, seen = h.history[k]
-                        if seen < cfg.history_intervals:
-                            continue
-                        ref, how, z = hist, "own history", 0.0
-                    s = math.exp(x - ref)
-                    flagged = z > cfg.z_threshold or s > cfg.slow_ratio
-                    why = f"{name} {s:.2f}x {how}" + (f" (z {z:.1f})" if peers else "")
-                    prev = out.get(node.id)
-                    if prev is None:
-                        out[node.id] = Verdict(s, flagged, why, s)
-                    else:
-                        floor = min(s, prev.floor)
-                        if (flagged, s) > (prev.flagged, prev.slowness):
-                            out[node.id] = Verdict(s, flagged, why, floor)
-                        else:
-                            out[node.id] = Verdict(prev.slowness, prev.flagged, prev.why, floor)
+                        best = Verdict(best.slowness, best.flagged, best.why, floor)
+            if best is not None:
+                out[node.id] = replace(best, sure=True) if sure else best
         return out
 
     def _evaluate(self, now: float, nodes: Mapping[str, Node], pools: list[PoolView],
@@ -521,11 +727,24 @@ class OutlierDetector:
             elif v is not None and state.routable:
                 self._judge(node, h, v, now, pools, rng, events)
             elif state is NodeState.DEGRADED and not (h.prefill.n or h.decode.n):
+                # No evidence either way: the weight comes back so the router tries
+                # the node again, but only clean samples make it healthy (declared
+                # healthy on the weight alone, a throttled node flapped).
                 node.weight_scale = min(1.0, node.weight_scale * cfg.regain_factor)
-                if node.weight_scale >= 1.0:
-                    self._set(node, h, NodeState.HEALTHY, now, pools, events,
-                              "recovered: weight regained without samples")
             self._close_interval(node, h, v)
+
+    def _sure(self, node: Node, h: NodeHealth, now: float, pools: list[PoolView],
+              events: list[Event]) -> None:
+        """Degrade a healthy node at once, between intervals, on conclusive decode
+        evidence (flagged at ``sure_ratio`` or slower): at a few samples a minute the
+        interval's close would add up to ``interval_s`` for nothing."""
+        s, flagged, why = self._flag("decode", h.decode)
+        if flagged and s >= self.config.sure_ratio:
+            h.slowness = s
+            h.flagged_streak = 1
+            h.clean_streak = 0
+            node.weight_scale = max(self.config.min_weight, 1.0 / s)
+            self._set(node, h, NodeState.DEGRADED, now, pools, events, f"slow: {why}")
 
     def _push_window(self, h: NodeHealth) -> tuple[int, int]:
         """The interval's outcomes into the failure window; the window's totals."""
@@ -535,10 +754,13 @@ class OutlierDetector:
         return sum(r for r, _ in h.window), sum(f for _, f in h.window)
 
     def _close_interval(self, node: Node, h: NodeHealth, v: Verdict | None) -> None:
-        """Learn the node's history from the interval, then start the next one."""
-        self._learn_history(node, h, v)
-        h.prefill.reset()
-        h.decode.reset()
+        """Levels decay (a clean healthy node's become its history); the next interval starts."""
+        cfg = self.config
+        decay = 0.5 ** (cfg.interval_s / max(cfg.level_half_life_s, 1e-9))
+        clean = node.state is NodeState.HEALTHY and (v is None or not v.flagged)
+        half = 0.5 * cfg.evidence
+        h.prefill.close(decay, clean and h.prefill.cusum < half)
+        h.decode.close(decay, clean and h.decode.cusum < half)
         h.requests = h.failures = 0
 
     def _judge(self, node: Node, h: NodeHealth, v: Verdict, now: float, pools: list[PoolView],
@@ -569,21 +791,9 @@ class OutlierDetector:
             if (h.flagged_streak > cfg.consecutive_intervals
                     and v.floor >= cfg.quarantine_ratio):
                 self._eject(node, h, now, pools, rng, events, f"slow: {v.why}")
-        elif h.flagged_streak >= cfg.consecutive_intervals:
+        elif h.flagged_streak >= cfg.consecutive_intervals or v.sure:
             node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
             self._set(node, h, NodeState.DEGRADED, now, pools, events, f"slow: {v.why}")
-
-    def _learn_history(self, node: Node, h: NodeHealth, v: Verdict | None) -> None:
-        if node.state is not NodeState.HEALTHY or (v is not None and v.flagged):
-            return
-        cfg = self.config
-        for k, kind in ((0, h.prefill), (1, h.decode)):
-            x = kind.mean(cfg.min_samples)
-            if x is None:
-                continue
-            ref, seen = h.history[k]
-            a = max(cfg.history_alpha, 1.0 / (seen + 1))
-            h.history[k] = (ref + a * (x - ref), seen + 1)
 
     # -- transitions -------------------------------------------------------------
 
@@ -605,6 +815,9 @@ class OutlierDetector:
         node.state = state
         h.known_state = state
         h.reason = reason
+        if state is NodeState.HEALTHY or state is NodeState.PROBATION:
+            h.prefill.restart()
+            h.decode.restart()
         if state is NodeState.HEALTHY:
             node.weight_scale = 1.0
             h.flagged_streak = h.clean_streak = 0

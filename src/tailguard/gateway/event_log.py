@@ -5,7 +5,7 @@ entry has a sequence number, so a poller asks ``?since=<seq>`` for the new
 ones only, and a wall-clock time (``time``, Unix seconds) for people::
 
     {"seq": 12, "time": 1764450000.1, "node": "a100-2", "kind": "state",
-     "state": "quarantined", "reason": "slow: decode 3.4x class median ..."}
+     "state": "quarantined", "reason": "slow: decode 3.4x class peers ..."}
     {"seq": 13, "time": 1764450000.2, "node": "a100-2", "kind": "action",
      "trigger": "quarantined", "action": "command", "result": "ok", "detail": "exit 0"}
 """
