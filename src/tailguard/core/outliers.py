@@ -60,6 +60,10 @@ dozen samples to drain). At ten samples per interval a node 2.5x slow for its
 class (``r = 0.92``, ``sigma`` 0.15) crosses ``h`` in two samples; at under one
 request per second the same evidence takes as many seconds as the samples take
 to arrive, and an interval with no new sample gives no verdict at all.
+Verdicts come at each interval's close and act after K flagged intervals, but a
+decode flag at ``sure_ratio`` (2.5x) or slower whose excess began an interval
+ago or more degrades a healthy node at once: at a few samples a minute the
+wait for a second interval is most of the detection time.
 
 Why ``k`` is 0.75 of the threshold and not Page's half: identical SKUs differ by
 ~8% on average (SC'22, "Not All GPUs Are Created Equal") and a simulated fleet
@@ -149,8 +153,9 @@ class OutlierConfig:
     enabled: bool = True
     interval_s: float = 5.0
     consecutive_intervals: int = 2  # K: flagged intervals in a row before acting
-    # ...except a decode flag this slow, which acts at once: TPOT carries no
-    # queue, and a node this slow for its class is not a burst of contention.
+    # ...except a decode flag this slow whose excess has lasted an interval, which
+    # acts at once: TPOT carries no queue, and a node this slow for that long is
+    # neither a burst of contention nor one stall seen by every request in flight.
     sure_ratio: float = 2.5
     slow_ratio: float = 1.5  # recent slowness for its class that flags a node
     # Slow but working nodes are degraded (priced at their measured speed);
@@ -233,7 +238,7 @@ class _Evidence:
     """
 
     __slots__ = ("cusum", "ew", "history", "levels", "n", "own_n", "own_total", "peers", "refs",
-                 "run", "seen", "total", "var")
+                 "run", "run_since", "seen", "total", "var")
 
     def __init__(self, sigma_prior: float) -> None:
         self.levels: dict[int, list[float]] = {}
@@ -242,6 +247,7 @@ class _Evidence:
         self.peers = False  # the last reference came from class peers (else own history)
         self.cusum = 0.0
         self.run = 0  # samples since the CUSUM was last at 0
+        self.run_since = -math.inf  # when that run began (decode: the driver says)
         self.ew = 0.0  # EWMA of the residuals: log of the recent slowness
         self.seen = 0  # residuals ever
         self.var = sigma_prior * sigma_prior
@@ -451,10 +457,14 @@ class OutlierDetector:
             b = prefill_bucket(tokens) + _TOKEN_BUCKETS * decode_bucket(batch)
             self._sample(node, h, 0, b + _QUEUED if queued else b, ttft, expected)
 
-    def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1) -> None:
+    def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1,
+                  now: float | None = None) -> None:
         h = self.health.get(node.id)
         if h is not None:
+            run = h.decode.run
             self._sample(node, h, 1, decode_bucket(batch), tpot, expected)
+            if now is not None and h.decode.run and not run:
+                h.decode.run_since = now  # the excess starts here
 
     def _sample(self, node: Node, h: NodeHealth, k: int, b: int, observed: float,
                 expected: float) -> None:
@@ -683,7 +693,7 @@ class OutlierDetector:
         how = "class peers" if ev.peers else "own history"
         return s, flagged, f"{name} {s:.2f}x {how} (evidence {ev.cusum:.1f} over {ev.run} samples)"
 
-    def verdicts(self, nodes: Mapping[str, Node]) -> dict[str, Verdict]:
+    def verdicts(self, nodes: Mapping[str, Node], now: float = math.inf) -> dict[str, Verdict]:
         """Slowness of every node with new evidence in the current interval, and its flag."""
         cfg = self.config
         out: dict[str, Verdict] = {}
@@ -697,7 +707,8 @@ class OutlierDetector:
                 if ev.n == 0:  # no new sample: no verdict
                     continue
                 s, flagged, why = self._flag(name, ev)
-                sure = sure or (flagged and name == "decode" and s >= cfg.sure_ratio)
+                sure = sure or (flagged and name == "decode" and s >= cfg.sure_ratio
+                                and now - ev.run_since >= cfg.interval_s)
                 if best is None:
                     best = Verdict(s, flagged, why, s)
                 else:
@@ -713,7 +724,7 @@ class OutlierDetector:
     def _evaluate(self, now: float, nodes: Mapping[str, Node], pools: list[PoolView],
                   rng: Random, events: list[Event]) -> None:
         cfg = self.config
-        verdicts = self.verdicts(nodes)
+        verdicts = self.verdicts(nodes, now)
         for node in nodes.values():
             h = self.health[node.id]
             v = verdicts.get(node.id)
@@ -739,7 +750,10 @@ class OutlierDetector:
         evidence (flagged at ``sure_ratio`` or slower): at a few samples a minute the
         interval's close would add up to ``interval_s`` for nothing."""
         s, flagged, why = self._flag("decode", h.decode)
-        if flagged and s >= self.config.sure_ratio:
+        # ...and only on evidence spread over an interval: a stall hits every request
+        # in flight at once, and their slow TPOTs arrive together as one burst.
+        if flagged and s >= self.config.sure_ratio and \
+                now - h.decode.run_since >= self.config.interval_s:
             h.slowness = s
             h.flagged_streak = 1
             h.clean_streak = 0
