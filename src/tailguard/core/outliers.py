@@ -34,8 +34,9 @@ with the reference
   roofline's error, which then cancels, and a node slow *from its first
   request* is compared with its peers from its first request; two nodes are
   enough (the slower one is the outlier: nobody is flagged for being fast);
-* else the node's **own history** in that bucket: its level the last time it
-  was healthy and showed no excess (a class of one);
+* else, for decode, the node's **own history** in that bucket: its level the
+  last time it was healthy and showed no excess (a class of one; TTFT is
+  judged against peers only, see ``prefill_slow_ratio``);
 * else nothing: the sample only teaches the node's own level.
 
 Evidence, not a fixed sample count
@@ -158,6 +159,11 @@ class OutlierConfig:
     # neither a burst of contention nor one stall seen by every request in flight.
     sure_ratio: float = 2.5
     slow_ratio: float = 1.5  # recent slowness for its class that flags a node
+    # TTFT carries the queue and, on a shared host, the neighbours' contention:
+    # load spilled off a throttled node read 1.5-2.4x on its healthy peers' TTFT
+    # (three llama.cpp servers on two cores), so a TTFT flag asks this much, and
+    # only against class peers (a node's own history is from other conditions).
+    prefill_slow_ratio: float = 2.0
     # Slow but working nodes are degraded (priced at their measured speed);
     # only this slow are they worth nothing to the pool and quarantined.
     quarantine_ratio: float = 3.0
@@ -510,7 +516,7 @@ class OutlierDetector:
             ref: float | None = _median(levels)
             ev.peers = True
         else:
-            ref = ev.history.get(b)
+            ref = ev.history.get(b) if k == 1 else None  # TTFT: peers only
             ev.peers = False
         if ref is not None:
             ev.refs[b] = ref
@@ -689,7 +695,8 @@ class OutlierDetector:
         """One kind's recent slowness, whether it is flagged, and why."""
         cfg = self.config
         s = math.exp(ev.ew)
-        flagged = ev.cusum >= cfg.evidence and ev.run >= cfg.min_samples and s > cfg.slow_ratio
+        bar = cfg.slow_ratio if name == "decode" else cfg.prefill_slow_ratio
+        flagged = ev.cusum >= cfg.evidence and ev.run >= cfg.min_samples and s > bar
         how = "class peers" if ev.peers else "own history"
         return s, flagged, f"{name} {s:.2f}x {how} (evidence {ev.cusum:.1f} over {ev.run} samples)"
 
