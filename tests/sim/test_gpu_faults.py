@@ -75,8 +75,9 @@ def test_a_throttled_gpu_is_caught_named_and_costs_no_more_than_a_whole_replica_
     res = run(scenario(one_gpu, gpu_telemetry=True))
     det = res["outliers"]["time_to_detect"][0]
     # ~1 sample per second per replica, and a TPOT is measured at the finish over a whole
-    # generation (~10 s here): the first ones after the fault show part of the 2x
-    assert det["state"] in ("degraded", "quarantined") and det["detected_s"] <= 20.0
+    # generation (~10 s here): the first ones after the fault show part of the 2x, and a
+    # 2x TTFT alone flags nothing (it asks 3x: TTFT carries the queue)
+    assert det["state"] in ("degraded", "quarantined") and det["detected_s"] <= 25.0
     assert res["outliers"]["false_detections"] == 0
     slow = [e for e in res["events"] if e["state"] in ("degraded", "quarantined")]
     assert slow and all(e["node"] == "A100-80GB#1" for e in slow)

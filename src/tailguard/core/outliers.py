@@ -54,7 +54,7 @@ verdict).
 The kind is *flagged* when ``S >= h`` (``evidence``, 6), at least
 ``min_samples`` (2) samples make up the current excess, and the node's recent
 slowness ``s = exp(EWMA of r)`` (about the last two or three samples) exceeds
-``slow_ratio``. The two guards cover each other: the CUSUM needs sustained
+``slow_ratio`` (TTFT: ``prefill_slow_ratio``, 3). The two guards cover each other: the CUSUM needs sustained
 evidence, so one slow burst is not enough; the recent slowness makes the flag
 fall as soon as the node is fast again (the capped CUSUM alone would take a
 dozen samples to drain). At ten samples per interval a node 2.5x slow for its
@@ -161,9 +161,10 @@ class OutlierConfig:
     slow_ratio: float = 1.5  # recent slowness for its class that flags a node
     # TTFT carries the queue and, on a shared host, the neighbours' contention:
     # load spilled off a throttled node read 1.5-2.4x on its healthy peers' TTFT
-    # (three llama.cpp servers on two cores), so a TTFT flag asks this much, and
-    # only against class peers (a node's own history is from other conditions).
-    prefill_slow_ratio: float = 2.0
+    # (three llama.cpp servers on two cores, CI runs), so a TTFT flag asks the
+    # quarantine ratio, and only against class peers (a node's own history is
+    # from other conditions); milder slowness is TPOT's to find.
+    prefill_slow_ratio: float = 3.0
     # Slow but working nodes are degraded (priced at their measured speed);
     # only this slow are they worth nothing to the pool and quarantined.
     quarantine_ratio: float = 3.0
