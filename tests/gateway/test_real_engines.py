@@ -12,7 +12,7 @@ prompts they must compute (fresh text each time). Then:
 
 1. every engine detected as llama.cpp, no client error, no state change on
    the healthy engines, and the cached prompts taught no fast prefill (each
-   node's learnt prefill speed within 3x of its peers');
+   node's learnt prefill speed within 4x of its peers');
 2. one engine is throttled to about a third of its speed (``throttle``
    below: SIGSTOP for 2/3 of every 0.6 s): it is degraded or quarantined
    within 20 s, its share of requests falls at least 3x, and once it runs
@@ -180,9 +180,10 @@ async def _body(servers: list[LlamaServer]) -> None:
         assert total_before >= 30 and len(before) == 3, before
         assert not load.errors, load.errors[:5]
         # Cached prompts taught no fast prefill: every node's learnt prefill speed is
-        # within 3x of its peers' (13.9x apart when cached TTFTs were learnt as speed).
+        # within 4x of its peers' (13.9x apart when cached TTFTs were learnt as speed;
+        # up to 3.15x seen from the three engines' contention for two cores).
         slow = {n.id: n.capacity.prefill_slowdown for n in fleet.balancer.nodes.values()}
-        assert max(slow.values()) < 3.0 * min(slow.values()), slow
+        assert max(slow.values()) < 4.0 * min(slow.values()), slow
         # llama.cpp reported every cached count (timings.cache_n): nothing was guessed
         assert all(n.presumed_cache_hits == 0 for n in fleet.balancer.nodes.values())
         # 2. cpu-1 at a third of its speed: caught within 20 s, its share cut 3x
