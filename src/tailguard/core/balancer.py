@@ -116,14 +116,20 @@ class Ticket:
         ahead of it, the batch it joined), without the node's learned corrections:
         the router's prediction before its slowdown factor. ``cached_tokens`` of
         the prompt were served from the engine's prefix cache: no prefill work."""
-        node = self.node
-        perf = node.perf
+        perf = self.node.perf
         pool = self.pool
-        running = running_batch(perf, node.slots, self.batch_at_dispatch,
-                                pool.mean_prompt + pool.mean_output)
-        step = decode_step_s(perf, running, pool.mean_prompt + pool.mean_output / 2)
-        own = max(0, self.prompt_tokens - cached_tokens)
-        return prefill_s(perf, self.ahead_tokens, own) + step
+        step = decode_step_s(perf, self.running(), pool.mean_prompt + pool.mean_output / 2)
+        return prefill_s(perf, self.ahead_tokens, self.uncached(cached_tokens)) + step
+
+    def running(self) -> int:
+        """Sequences the engine ran at once when this request joined (at most its slots)."""
+        node, pool = self.node, self.pool
+        return running_batch(node.perf, node.slots, self.batch_at_dispatch,
+                             pool.mean_prompt + pool.mean_output)
+
+    def uncached(self, cached_tokens: int) -> int:
+        """The prompt tokens the engine had to compute itself."""
+        return max(0, self.prompt_tokens - cached_tokens)
 
 
 class Pool:
@@ -449,13 +455,10 @@ class Balancer:
             return
         node.capacity.prefill.update(ttft, expected)
         if self.outliers is not None:
-            pool = ticket.pool
-            queued = running_batch(node.perf, node.slots, ticket.batch_at_dispatch,
-                                   pool.mean_prompt + pool.mean_output) < ticket.batch_at_dispatch
-            own = max(0, ticket.prompt_tokens - (cached_tokens or 0))
-            self.outliers.on_prefill(node, ttft, expected, ticket.t_first,
-                                     int(ticket.ahead_tokens) + own, ticket.batch_at_dispatch,
-                                     queued)
+            batch = ticket.batch_at_dispatch
+            tokens = int(ticket.ahead_tokens) + ticket.uncached(cached_tokens or 0)
+            self.outliers.on_prefill(node, ttft, expected, ticket.t_first, tokens, batch,
+                                     queued=ticket.running() < batch)
 
     def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int,
                   *, judged: bool = True, timed: bool = True,

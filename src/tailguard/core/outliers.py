@@ -14,7 +14,7 @@ separately for prefill (TTFT) and decode (TPOT). The roofline is a prior, not
 the truth: real engines add fixed per-request overheads (tokenising, HTTP,
 scheduling) that dominate a short or cached prompt, and on a CPU the time per
 token grows with the batch, which a GPU roofline does not assume (measured on
-llama.cpp with one thread: batch 2 steps 2.2x slower than batch 1). So a
+llama.cpp with one thread: TPOTs at batch 2 1.6-2.5x those at batch 1). So a
 sample is never judged against the roofline itself but against the same kind
 of sample on healthy peers: each sample falls into a **bucket** (decode: the
 running batch in powers of two; prefill: the tokens computed before the
@@ -134,14 +134,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from random import Random
 from typing import Protocol
 
 from tailguard.core.events import Event
 from tailguard.core.fleet import Node, NodeState, Outcome
 
-_MAD_SCALE = 0.6745  # Iglewicz-Hoaglin: MAD -> sigma for a normal sample
 # One sample's log-ratio is clamped (a single hiccup is one sample), far out: on an
 # unknown card (a CPU) the roofline prior is off by 100x before anything is learnt.
 _CLAMP = 8.0
@@ -238,14 +237,14 @@ class _Evidence:
     ``levels[b]`` = [decayed count, decayed sum of x, interval of the last sample]:
     the node's recent level in
     bucket b, what its peers are compared with. ``history[b]``: its level when
-    it was last healthy and clean. ``n``/``total``: residuals this interval
-    (``absorb`` adds other replicas'); ``own_n``/``own_total`` count this
+    it was last healthy and clean. ``n``: residuals this interval (``absorb``
+    adds other replicas'); ``own_n``/``own_total`` count this
     driver's own residuals since it started, never reset: what a gateway
     replica publishes for the others to pool (core/shared.py).
     """
 
     __slots__ = ("cusum", "ew", "history", "levels", "n", "own_n", "own_total", "peers", "refs",
-                 "run", "run_since", "seen", "total", "var")
+                 "run", "run_since", "seen", "var")
 
     def __init__(self, sigma_prior: float) -> None:
         self.levels: dict[int, list[float]] = {}
@@ -254,12 +253,11 @@ class _Evidence:
         self.peers = False  # the last reference came from class peers (else own history)
         self.cusum = 0.0
         self.run = 0  # samples since the CUSUM was last at 0
-        self.run_since = -math.inf  # when that run began (decode: the driver says)
+        self.run_since = -math.inf  # when that run began (decode samples say)
         self.ew = 0.0  # EWMA of the residuals: log of the recent slowness
         self.seen = 0  # residuals ever
         self.var = sigma_prior * sigma_prior
         self.n = 0
-        self.total = 0.0
         self.own_n = 0
         self.own_total = 0.0
 
@@ -281,8 +279,10 @@ class _Evidence:
             lv[1] += x
             lv[2] = float(interval)
 
-    def add(self, r: float, n: int, allowance: float, cap: float, floor: float) -> None:
-        """``n`` residuals of mean ``r`` (one sample, or a peer replica's batch)."""
+    def add(self, r: float, n: int, allowance: float, cap: float, floor: float,
+            now: float | None) -> None:
+        """``n`` residuals of mean ``r`` (one sample, or a peer replica's batch), seen at
+        ``now`` (None: not known, for a peer's batch and for TTFT)."""
         sigma = math.sqrt(self.var)
         if sigma < floor:
             sigma = floor
@@ -303,11 +303,12 @@ class _Evidence:
             self.cusum = 0.0
             self.run = 0
         else:
+            if self.run == 0 and now is not None:
+                self.run_since = now  # the excess starts here
             self.cusum = cusum if cusum < cap else cap
             self.run += n
         self.seen += n
         self.n += n
-        self.total += n * r
 
     def restart(self) -> None:
         """Evidence starts afresh (the node was judged anew: healthy, or on probation)."""
@@ -332,7 +333,6 @@ class _Evidence:
                 del self.levels[b]
         self.refs.clear()
         self.n = 0
-        self.total = 0.0
 
 
 class NodeHealth:
@@ -395,10 +395,6 @@ class Verdict:
     # The smaller of the two: what both kinds agree on. TTFT carries the queue a
     # node built before it was caught, so quarantine waits for decode too.
     floor: float = 0.0
-    # Decode evidence flagged it at sure_ratio or slower: no second interval
-    # needed (a TTFT flag always waits for one: load spilled onto a healthy peer
-    # lengthens its queue for a while).
-    sure: bool = False
 
 
 class OutlierDetector:
@@ -420,6 +416,9 @@ class OutlierDetector:
         self._classes: dict[str, list[tuple[Node, NodeHealth]]] = {}
         self._classes_for = -1
         self._interval = 0  # intervals closed so far: the age of a node's levels
+        # The CUSUM's allowance k (per sample, so set once per tick: a reload may
+        # change slow_ratio; records, and so samples, exist only after a tick).
+        self._allowance = 0.75 * math.log(self.config.slow_ratio)
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
@@ -462,33 +461,29 @@ class OutlierDetector:
         if h is not None:
             h.last_progress = now
             b = prefill_bucket(tokens) + _TOKEN_BUCKETS * decode_bucket(batch)
-            self._sample(node, h, 0, b + _QUEUED if queued else b, ttft, expected)
+            self._sample(node, h, h.prefill, 0, b + _QUEUED if queued else b, ttft, expected,
+                         None)
 
     def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1,
                   now: float | None = None) -> None:
         h = self.health.get(node.id)
         if h is not None:
-            run = h.decode.run
-            self._sample(node, h, 1, decode_bucket(batch), tpot, expected)
-            if now is not None and h.decode.run and not run:
-                h.decode.run_since = now  # the excess starts here
+            self._sample(node, h, h.decode, 1, decode_bucket(batch), tpot, expected, now)
 
-    def _sample(self, node: Node, h: NodeHealth, k: int, b: int, observed: float,
-                expected: float) -> None:
+    def _sample(self, node: Node, h: NodeHealth, ev: _Evidence, k: int, b: int,
+                observed: float, expected: float, now: float | None) -> None:
         if observed <= 0.0 or expected <= 0.0:
             return
         x = math.log(observed / expected)
         x = _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
-        ev = h.prefill if k == 0 else h.decode
         ev.learn(b, x, self._interval)
         ref = ev.refs.get(b)
         if ref is None:
             ref = self._reference(node, ev, k, b)
             if ref is None:
                 return
-        cfg = self.config
         r = x - ref
-        ev.add(r, 1, 0.75 * math.log(cfg.slow_ratio), 2.0 * cfg.evidence, cfg.sigma_floor)
+        ev.add(r, 1, self._allowance, 2.0 * self.config.evidence, self.config.sigma_floor, now)
         ev.own_n += 1
         ev.own_total += r
 
@@ -552,10 +547,9 @@ class OutlierDetector:
         if h is None:
             return
         cfg = self.config
-        allowance, cap = 0.75 * math.log(cfg.slow_ratio), 2.0 * cfg.evidence
         for ev, (n, total) in ((h.prefill, prefill), (h.decode, decode)):
             if n > 0:
-                ev.add(total / n, n, allowance, cap, cfg.sigma_floor)
+                ev.add(total / n, n, self._allowance, 2.0 * cfg.evidence, cfg.sigma_floor, None)
         h.requests += requests
         h.failures += failures
         if failures:
@@ -579,6 +573,7 @@ class OutlierDetector:
         events: list[Event] = []
         pool_list = list(pools)
         self._peers(nodes)
+        self._allowance = 0.75 * math.log(cfg.slow_ratio)
         if not self.authority:
             self._follow(now, nodes)
             return events
@@ -701,22 +696,18 @@ class OutlierDetector:
         how = "class peers" if ev.peers else "own history"
         return s, flagged, f"{name} {s:.2f}x {how} (evidence {ev.cusum:.1f} over {ev.run} samples)"
 
-    def verdicts(self, nodes: Mapping[str, Node], now: float = math.inf) -> dict[str, Verdict]:
+    def verdicts(self, nodes: Mapping[str, Node]) -> dict[str, Verdict]:
         """Slowness of every node with new evidence in the current interval, and its flag."""
-        cfg = self.config
         out: dict[str, Verdict] = {}
         for node in nodes.values():
             h = self.health.get(node.id)
             if h is None:
                 continue
             best: Verdict | None = None
-            sure = False
             for name, ev in (("prefill", h.prefill), ("decode", h.decode)):
                 if ev.n == 0:  # no new sample: no verdict
                     continue
                 s, flagged, why = self._flag(name, ev)
-                sure = sure or (flagged and name == "decode" and s >= cfg.sure_ratio
-                                and now - ev.run_since >= cfg.interval_s)
                 if best is None:
                     best = Verdict(s, flagged, why, s)
                 else:
@@ -726,13 +717,13 @@ class OutlierDetector:
                     else:
                         best = Verdict(best.slowness, best.flagged, best.why, floor)
             if best is not None:
-                out[node.id] = replace(best, sure=True) if sure else best
+                out[node.id] = best
         return out
 
     def _evaluate(self, now: float, nodes: Mapping[str, Node], pools: list[PoolView],
                   rng: Random, events: list[Event]) -> None:
         cfg = self.config
-        verdicts = self.verdicts(nodes, now)
+        verdicts = self.verdicts(nodes)
         for node in nodes.values():
             h = self.health[node.id]
             v = verdicts.get(node.id)
@@ -756,7 +747,8 @@ class OutlierDetector:
               events: list[Event]) -> None:
         """Degrade a healthy node at once, between intervals, on conclusive decode
         evidence (flagged at ``sure_ratio`` or slower): at a few samples a minute the
-        interval's close would add up to ``interval_s`` for nothing."""
+        interval's close would add up to ``interval_s`` for nothing. The only place
+        that acts on one flag: it runs every tick, before any interval's verdicts."""
         s, flagged, why = self._flag("decode", h.decode)
         # ...and only on evidence spread over an interval: a stall hits every request
         # in flight at once, and their slow TPOTs arrive together as one burst.
@@ -813,7 +805,7 @@ class OutlierDetector:
             if (h.flagged_streak > cfg.consecutive_intervals
                     and v.floor >= cfg.quarantine_ratio):
                 self._eject(node, h, now, pools, rng, events, f"slow: {v.why}")
-        elif h.flagged_streak >= cfg.consecutive_intervals or v.sure:
+        elif h.flagged_streak >= cfg.consecutive_intervals:
             node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
             self._set(node, h, NodeState.DEGRADED, now, pools, events, f"slow: {v.why}")
 
