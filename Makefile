@@ -3,14 +3,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.installed-core
 
-.PHONY: install sysdeps engines demo test lint typecheck unit bench docs-figures clean
+# The demo needs only the package; the tests need the dev extras too (a superset).
+$(CORE_STAMP): pyproject.toml
+	@PY=$(PY) scripts/install.sh $(VENV) .
+	@touch $(CORE_STAMP)
 
 $(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
-	touch $(STAMP)
+	@PY=$(PY) scripts/install.sh $(VENV) '.[dev]'
+	@touch $(STAMP) $(CORE_STAMP)
 
 install: $(STAMP) sysdeps
 
@@ -36,8 +38,8 @@ sysdeps:
 engines: $(STAMP)
 	PY=$(BIN)/python scripts/real_engines.sh >/dev/null
 
-demo: $(STAMP)
-	$(BIN)/tailguard demo
+demo: $(CORE_STAMP)
+	@$(BIN)/tailguard demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -272,7 +272,9 @@ def comparison(runs: list[RunResult], rate: float) -> Table:
 
 async def run_demo(duration_s: float, load: float | None, console: Console, *,
                    baseline: str | None = "round_robin", faults: bool = True) -> list[RunResult]:
-    rate, full, strong = demo_rate(load)
+    # The capacity search takes a few seconds: say so rather than sit silent.
+    with console.status("sizing the load from the fleet's SLO capacity bound (simulated)"):
+        rate, full, strong = demo_rate(load)
     total = duration_s * (2 if baseline else 1)
     console.print(f"tailguard demo: {', '.join(f'{c} x {g}' for g, c in FLEET)} serving {MODEL} "
                   f"(emulated in real time); capacity bound {full:.1f} req/s, {strong:.1f} "
