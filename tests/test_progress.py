@@ -7,15 +7,15 @@ cursor movement and no live line.
 
 from __future__ import annotations
 
+import itertools
 import os
-import re
 import pty
+import re
 import select
 import subprocess
 import sys
 import time
 from pathlib import Path
-
 
 TAILGUARD = [sys.executable, "-m", "tailguard"]
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "mixed.yaml"
@@ -64,7 +64,7 @@ def piped(args: list[str], timeout_s: float) -> str:
 
 
 def largest_gap(times: list[float]) -> float:
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def test_demo_shows_progress_every_two_seconds_in_a_terminal_and_none_piped() -> None:

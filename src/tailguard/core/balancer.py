@@ -518,7 +518,8 @@ class Balancer:
             expected_step = decode_step_s(node.perf, batch, ctx)
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is not None:
-                self.outliers.on_decode(node, tpot, expected_step, batch, now)
+                self.outliers.on_decode(node, tpot, expected_step, batch, now,
+                                        ticket.t_first)
 
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
         """Charge ``node_id`` with a failure released unjudged, now that it is the node's.

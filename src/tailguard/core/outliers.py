@@ -244,7 +244,7 @@ class _Evidence:
     """
 
     __slots__ = ("cusum", "ew", "history", "levels", "n", "own_n", "own_total", "peers", "refs",
-                 "run", "run_since", "seen", "var")
+                 "run", "run_since", "run_spread", "seen", "var")
 
     def __init__(self, sigma_prior: float) -> None:
         self.levels: dict[int, list[float]] = {}
@@ -254,6 +254,11 @@ class _Evidence:
         self.cusum = 0.0
         self.run = 0  # samples since the CUSUM was last at 0
         self.run_since = -math.inf  # when that run began (decode samples say)
+        # A slow sample of the run came from work begun after the run's first
+        # sample had finished: the excess outlived the requests that showed it
+        # first (a stall slows every request in flight at once; a slow node, the next
+        # ones too).
+        self.run_spread = False
         self.ew = 0.0  # EWMA of the residuals: log of the recent slowness
         self.seen = 0  # residuals ever
         self.var = sigma_prior * sigma_prior
@@ -280,9 +285,10 @@ class _Evidence:
             lv[2] = float(interval)
 
     def add(self, r: float, n: int, allowance: float, cap: float, floor: float,
-            now: float | None) -> None:
+            now: float | None, since: float | None = None) -> None:
         """``n`` residuals of mean ``r`` (one sample, or a peer replica's batch), seen at
-        ``now`` (None: not known, for a peer's batch and for TTFT)."""
+        ``now`` (None: not known, for a peer's batch and for TTFT), measured over
+        work begun at ``since`` (None: not known)."""
         sigma = math.sqrt(self.var)
         if sigma < floor:
             sigma = floor
@@ -303,8 +309,12 @@ class _Evidence:
             self.cusum = 0.0
             self.run = 0
         else:
-            if self.run == 0 and now is not None:
-                self.run_since = now  # the excess starts here
+            if self.run == 0:
+                self.run_spread = False
+                if now is not None:
+                    self.run_since = now  # the excess starts here
+            elif r > allowance and (since is None or since >= self.run_since):
+                self.run_spread = True
             self.cusum = cusum if cusum < cap else cap
             self.run += n
         self.seen += n
@@ -465,13 +475,16 @@ class OutlierDetector:
                          None)
 
     def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1,
-                  now: float | None = None) -> None:
+                  now: float | None = None, since: float | None = None) -> None:
+        """A TPOT sample seen at ``now``, over a decode that began at ``since``."""
         h = self.health.get(node.id)
         if h is not None:
-            self._sample(node, h, h.decode, 1, decode_bucket(batch), tpot, expected, now)
+            self._sample(node, h, h.decode, 1, decode_bucket(batch), tpot, expected, now,
+                         since)
 
     def _sample(self, node: Node, h: NodeHealth, ev: _Evidence, k: int, b: int,
-                observed: float, expected: float, now: float | None) -> None:
+                observed: float, expected: float, now: float | None,
+                since: float | None = None) -> None:
         if observed <= 0.0 or expected <= 0.0:
             return
         x = math.log(observed / expected)
@@ -483,7 +496,8 @@ class OutlierDetector:
             if ref is None:
                 return
         r = x - ref
-        ev.add(r, 1, self._allowance, 2.0 * self.config.evidence, self.config.sigma_floor, now)
+        ev.add(r, 1, self._allowance, 2.0 * self.config.evidence, self.config.sigma_floor, now,
+               since)
         ev.own_n += 1
         ev.own_total += r
 
@@ -750,10 +764,10 @@ class OutlierDetector:
         interval's close would add up to ``interval_s`` for nothing. The only place
         that acts on one flag: it runs every tick, before any interval's verdicts."""
         s, flagged, why = self._flag("decode", h.decode)
-        # ...and only on evidence spread over an interval: a stall hits every request
-        # in flight at once, and their slow TPOTs arrive together as one burst.
-        if flagged and s >= self.config.sure_ratio and \
-                now - h.decode.run_since >= self.config.interval_s:
+        # ...and only once the excess outlived the requests that showed it first: a
+        # stall hits every request in flight at once, and their slow TPOTs arrive
+        # together as one burst; work begun after it ends runs at full speed.
+        if flagged and s >= self.config.sure_ratio and h.decode.run_spread:
             h.slowness = s
             h.flagged_streak = 1
             h.clean_streak = 0
