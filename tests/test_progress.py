@@ -12,6 +12,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -92,3 +93,24 @@ def test_sim_progress_only_in_a_terminal_and_without_quiet() -> None:
         assert "SLO att." in text  # the result table
         assert not re.search(r"\d+/300 s", text), text[:1000]
     assert "\x1b[" not in out
+
+
+def test_demo_stops_cleanly_on_ctrl_c() -> None:
+    """SIGINT mid-run (what Ctrl-C sends): exit 130, no traceback, nothing left running."""
+    env = {**os.environ, "COLUMNS": "160"}
+    proc = subprocess.Popen([*TAILGUARD, "demo", "--duration", "60", "--no-baseline"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait for the load to start (its gateway's URL)
+            if "/dashboard" in line:
+                break
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out[-2000:]
+    assert "stopped" in out and "Traceback" not in out, out[-2000:]

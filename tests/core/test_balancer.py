@@ -140,3 +140,65 @@ def test_an_unjudged_failure_is_charged_only_when_blamed() -> None:
     assert (h.failures, h.consecutive_failures, b.nodes["n0"].in_flight) == (0, 0, 0)
     b.blame("n0", Outcome.UPSTREAM_5XX, 0.2)
     assert (h.failures, h.consecutive_failures) == (1, 1)
+
+
+def test_a_long_stream_is_judged_piece_by_piece_as_it_runs() -> None:
+    """The detector hears of a stream's decode every segment_s (1 s, >= 8 tokens), the
+    rest at the finish; the capacity learner still learns the whole answer once."""
+    b = make(1, "tailguard")
+    b.tick(0.0)
+    assert b.outliers is not None
+    seen: list[tuple[float, float, float | None]] = []  # (tpot, now, since)
+    real = b.outliers.on_decode
+
+    def spy(node: object, tpot: float, expected: float, batch: int = 1,
+            now: float | None = None, since: float | None = None) -> None:
+        seen.append((tpot, now or 0.0, since))
+        real(b.nodes["n0"], tpot, expected, batch, now, since)
+
+    b.outliers.on_decode = spy  # type: ignore[method-assign]
+    node = b.nodes["n0"]
+    t = b.pick(MODEL, 500, 0.0)
+    assert t is not None
+    b.on_first_token(t, 0.5)
+    # 48 tokens a second for 2 s, then 16: told every 0.25 s, as a driver would be
+    tokens, now, ask = 1, 0.5, 0.5
+    while now < 4.5:
+        now += 0.25
+        tokens += 12 if now <= 2.5 else 4
+        if now >= ask:
+            ask = b.on_stream_progress(t, tokens, now)
+    pieces = [(round(tpot, 4), n, s) for tpot, n, s in seen]
+    assert [p[1] for p in pieces] == [1.5, 2.5, 3.5, 4.5]  # one piece per second
+    assert [p[2] for p in pieces] == [0.5, 1.5, 2.5, 3.5]  # each from the last one's end
+    assert [p[0] for p in pieces] == [0.0208, 0.0208, 0.0625, 0.0625]
+    b.on_finish(t, 4.6, Outcome.OK, tokens + 1)  # one token more: too short to judge
+    assert len(seen) == 4
+    assert node.capacity.decode.samples == 1
+    # a stream told nothing is judged whole at its finish, as before
+    t = b.pick(MODEL, 500, 10.0)
+    b.on_first_token(t, 10.2)
+    b.on_finish(t, 12.2, Outcome.OK, 101)
+    assert len(seen) == 5 and seen[-1][2] == 10.2 and round(seen[-1][0], 3) == 0.02
+
+
+def test_stream_progress_is_recorded_and_replays() -> None:
+    from tailguard.core.replay import replay
+
+    rec: list[dict[str, object]] = []
+    specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu("A100"), "A100-80GB", models=(MODEL,))
+             for i in range(2)]
+    b = Balancer(specs, [PoolConfig(MODEL)], random.Random(0), recorder=rec.append)
+    now = 0.0
+    for i in range(40):
+        t = b.pick(MODEL, 300, now)
+        assert t is not None
+        b.on_first_token(t, now + 0.1)
+        slow = 3.0 if t.node_id == "n1" and i > 10 else 1.0
+        for k in range(1, 9):
+            b.on_stream_progress(t, 1 + 10 * k, now + 0.1 + k * 0.25 * slow)
+        b.on_finish(t, now + 0.1 + 2.2 * slow, Outcome.OK, 90)
+        now += 0.5
+        b.tick(now)
+    assert any(r["op"] == "progress" for r in rec)
+    assert replay(rec).differences == []

@@ -87,6 +87,9 @@ class Ticket:
         "presumed",
         "prompt_tokens",
         "released",
+        "seg_batch",
+        "seg_t",
+        "seg_tokens",
         "t_dispatch",
         "t_first",
     )
@@ -106,6 +109,11 @@ class Ticket:
         self.presumed = False  # prompt counted as prefilled without a first token
         self.released = False
         self.permit: Limiter | None = None  # the node's limiter, when its pool has limits
+        # The decode piece under way (on_stream_progress): since when, from which
+        # token, the node's load then. seg_t < 0: none judged yet.
+        self.seg_t = -1.0
+        self.seg_tokens = 1
+        self.seg_batch = 0
 
     @property
     def node_id(self) -> str:
@@ -511,15 +519,58 @@ class Balancer:
             node.tpot.update(tpot, now)  # what clients got (observers read it)
             if output_tokens < MIN_DECODE_TOKENS:
                 return
-            batch = running_batch(node.perf, node.slots,
-                                  max(1, (ticket.batch_at_first + node.fleet_in_flight + 1) // 2),
-                                  pool.mean_prompt + pool.mean_output)
-            ctx = pool.mean_prompt + pool.mean_output * 0.5
-            expected_step = decode_step_s(node.perf, batch, ctx)
+            batch, expected_step = self._decode_expected(ticket, ticket.batch_at_first)
             node.capacity.decode.update(tpot, expected_step)
-            if self.outliers is not None:
-                self.outliers.on_decode(node, tpot, expected_step, batch, now,
-                                        ticket.t_first)
+            if self.outliers is None:
+                return
+            if ticket.seg_t < 0.0:
+                self.outliers.on_decode(node, tpot, expected_step, batch, now, ticket.t_first)
+                return
+            # The pieces judged as the stream ran; the rest, if long enough, now.
+            rest = output_tokens - ticket.seg_tokens
+            if rest >= MIN_DECODE_TOKENS:
+                batch, expected_step = self._decode_expected(ticket, ticket.seg_batch)
+                self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
+                                        batch, now, ticket.seg_t)
+
+    def _decode_expected(self, ticket: Ticket, batch_then: int) -> tuple[int, float]:
+        """The running batch since ``batch_then`` (the mean of then and now) and the
+        roofline's step time for it."""
+        node, pool = ticket.node, ticket.pool
+        batch = running_batch(node.perf, node.slots,
+                              max(1, (batch_then + node.fleet_in_flight + 1) // 2),
+                              pool.mean_prompt + pool.mean_output)
+        return batch, decode_step_s(node.perf, batch, pool.mean_prompt + pool.mean_output * 0.5)
+
+    def on_stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
+        """``tokens`` output tokens of the ticket's stream have arrived by ``now``.
+
+        The detector judges a long answer's decode piece by piece, each piece at
+        least ``segment_s`` and ``MIN_DECODE_TOKENS`` long (an answer of 500
+        tokens on a slowed node takes tens of seconds to end). Returns the time
+        of the next call worth making (the driver compares its clock, no count).
+        """
+        det = self.outliers
+        if det is None or ticket.released or ticket.t_first < 0.0 \
+                or det.config.segment_s <= 0.0:
+            return math.inf
+        if ticket.seg_t < 0.0:
+            ticket.seg_t = ticket.t_first
+            ticket.seg_batch = ticket.batch_at_first
+        seg_s = det.config.segment_s
+        if now - ticket.seg_t < seg_s:
+            return ticket.seg_t + seg_s
+        n = tokens - ticket.seg_tokens
+        if n < MIN_DECODE_TOKENS:
+            return now  # a slow piece: the next chunk may complete it
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "progress", "ticket": ticket.id, "tokens": tokens})
+        batch, expected = self._decode_expected(ticket, ticket.seg_batch)
+        det.on_decode(ticket.node, (now - ticket.seg_t) / n, expected, batch, now, ticket.seg_t)
+        ticket.seg_t = now
+        ticket.seg_tokens = tokens
+        ticket.seg_batch = ticket.node.fleet_in_flight
+        return now + seg_s
 
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
         """Charge ``node_id`` with a failure released unjudged, now that it is the node's.

@@ -49,6 +49,7 @@ on no retry and no hedge, and a failure ends the exchange with
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tailguard.core.admission import Shed, Waiter
@@ -262,6 +263,13 @@ class Exchange:
             self.hedger.on_progress(copy.node_id, now)
         self._end("ok" if outcome is Outcome.OK else "client_error")
         return actions
+
+    def streaming(self, copy: Copy, tokens: int, now: float) -> float:
+        """``tokens`` of ``copy``'s committed stream have arrived by ``now`` (the
+        detector judges long answers piece by piece); returns when to tell again."""
+        if copy.state != COMMITTED or self.ended is not None:
+            return math.inf
+        return self.balancer.on_stream_progress(copy.ticket, tokens, now)
 
     def client_gone(self, now: float, output_tokens: int = 0,
                     cached_tokens: int | None = None) -> tuple[Action, ...]:

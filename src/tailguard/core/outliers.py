@@ -62,9 +62,16 @@ class (``r = 0.92``, ``sigma`` 0.15) crosses ``h`` in two samples; at under one
 request per second the same evidence takes as many seconds as the samples take
 to arrive, and an interval with no new sample gives no verdict at all.
 Verdicts come at each interval's close and act after K flagged intervals, but a
-decode flag at ``sure_ratio`` (2.5x) or slower whose excess began an interval
-ago or more degrades a healthy node at once: at a few samples a minute the
-wait for a second interval is most of the detection time.
+decode flag at ``sure_ratio`` (2.5x) or slower degrades a healthy node at once
+once its excess has outlived the requests that showed it first (a slow sample
+over work begun after the excess's first sample had ended: a stall slows every
+request in flight at once, and the work after it runs at full speed): at a few
+samples a minute the wait for a second interval is most of the detection time.
+
+A streamed answer's decode is judged in pieces as it runs (``segment_s``, 1 s,
+and at least 8 tokens each, where the driver reports the stream's progress, as
+the gateway does): a node slowed mid-answer shows within a second or two of
+the answers running on it, not when they end.
 
 Why ``k`` is 0.75 of the threshold and not Page's half: identical SKUs differ by
 ~8% on average (SC'22, "Not All GPUs Are Created Equal") and a simulated fleet
@@ -153,10 +160,16 @@ class OutlierConfig:
     enabled: bool = True
     interval_s: float = 5.0
     consecutive_intervals: int = 2  # K: flagged intervals in a row before acting
-    # ...except a decode flag this slow whose excess has lasted an interval, which
-    # acts at once: TPOT carries no queue, and a node this slow for that long is
-    # neither a burst of contention nor one stall seen by every request in flight.
+    # ...except a decode flag this slow whose excess outlived the requests that
+    # showed it first, which acts at once: TPOT carries no queue, and such an
+    # excess is neither a burst of contention nor one stall seen by every request
+    # in flight.
     sure_ratio: float = 2.5
+    # A stream's decode is judged in pieces of at least this long (and
+    # MIN_DECODE_TOKENS tokens) as its tokens arrive, where the driver reports them
+    # (the gateway does): a straggler shows before its answers end. 0: whole
+    # answers only (the simulator's way: its engine model reports no progress).
+    segment_s: float = 1.0
     slow_ratio: float = 1.5  # recent slowness for its class that flags a node
     # TTFT carries the queue and, on a shared host, the neighbours' contention:
     # load spilled off a throttled node read 1.5-2.4x on its healthy peers' TTFT

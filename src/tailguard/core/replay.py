@@ -132,6 +132,10 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
             t = tickets.get(rec["ticket"])
             if t is not None:
                 balancer.on_first_token(t, rec["t"], defer_prefill=rec.get("defer", False))
+        elif op == "progress":
+            t = tickets.get(rec["ticket"])
+            if t is not None:
+                balancer.on_stream_progress(t, rec["tokens"], rec["t"])
         elif op == "no_first_token":
             t = tickets.get(rec["ticket"])
             if t is not None:

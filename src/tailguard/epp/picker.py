@@ -238,6 +238,7 @@ class _Exchange:
         self.counter: SseCounter | None = None
         self.tail = b""
         self.t_first = 0.0
+        self.tell_at = 0.0  # when the detector next wants the stream's progress
         self.counted = False
         self.subset: list[str] | None = None  # the data plane's subset hint (endpoints)
 
@@ -523,10 +524,13 @@ class _Exchange:
         counter = self.counter
         if counter is not None:
             if chunk:
+                now = time.monotonic()
                 if self.t_first == 0.0:
-                    self.t_first = time.monotonic()
-                    ex.first_chunk(copy, self.t_first, defer_prefill=True)
+                    self.t_first = now
+                    ex.first_chunk(copy, now, defer_prefill=True)
                 counter.feed(chunk)
+                if now >= self.tell_at:  # long answers are judged piece by piece
+                    self.tell_at = ex.streaming(copy, counter.output_tokens(), now)
         elif chunk:
             tail = self.tail + chunk
             self.tail = tail[-_TAIL:] if len(tail) > _TAIL else tail

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -332,7 +335,8 @@ class Forwarder:
         error: Failure | None = None
         watchdog = IdleTimeout(loop, idle, call.deadline, write_s)
         try:
-            max_gap = await _relay(resp, out, counter, watchdog, t_first)
+            max_gap = await _relay(resp, out, counter, watchdog, t_first,
+                                   _progress(ex, copy, counter, protocol, pauses))
         except _ClientGone:
             return self._gone(ex, call, counter, out)
         except TimeoutError:
@@ -386,12 +390,27 @@ class Forwarder:
         return out
 
 
+def _progress(ex: Exchange, copy: Copy, counter: SseCounter, protocol: Any,
+              pauses: int) -> Callable[[float], float]:
+    """The stream's progress for the detector (``Exchange.streaming``), while its pace
+    is the node's: once the client has made the gateway wait, no more."""
+
+    def tell(now: float) -> float:
+        if getattr(protocol, "write_pauses", 0) != pauses:
+            return math.inf
+        return ex.streaming(copy, counter.output_tokens(), now)
+
+    return tell
+
+
 async def _relay(resp: UpstreamResponse, out: web.StreamResponse, counter: SseCounter,
-                 watchdog: IdleTimeout, t_first: float) -> float:
-    """Copy the stream's chunks to the client as they come, counting its events;
-    returns the longest gap between two chunks."""
+                 watchdog: IdleTimeout, t_first: float,
+                 progress: Callable[[float], float]) -> float:
+    """Copy the stream's chunks to the client as they come, counting its events and
+    telling ``progress`` when it asks; returns the longest gap between two chunks."""
     last = t_first
     max_gap = 0.0
+    tell_at = t_first
     async with watchdog:
         while True:
             chunk = await resp.readany()
@@ -402,6 +421,8 @@ async def _relay(resp: UpstreamResponse, out: web.StreamResponse, counter: SseCo
                 max_gap = now - last
             last = now
             counter.feed(chunk)
+            if now >= tell_at:
+                tell_at = progress(now)
             watchdog.touch()
             watchdog.writing = True
             try:
