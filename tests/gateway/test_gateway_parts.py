@@ -16,7 +16,7 @@ from tailguard.gateway.openai_request import (
     InvalidRequest,
     parse_request,
 )
-from tailguard.gateway.sse import SseCounter, usage_completion_tokens
+from tailguard.gateway.sse import SseCounter, usage_cached_tokens, usage_completion_tokens
 
 STREAM = (
     b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
@@ -38,6 +38,13 @@ def test_sse_counter_is_independent_of_chunking(size: int) -> None:
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def counted(raw: bytes, size: int) -> SseCounter:
+    c = SseCounter()
+    for i in range(0, len(raw), size):
+        c.feed(raw[i:i + size])
+    return c
+
+
 @pytest.mark.parametrize(("name", "tokens", "cached"), [
     ("llamacpp_chat_stream.txt", 12, 24),  # no usage chunk: timings, role and finish events
     ("llamacpp_completion_stream.txt", 9, 0),
@@ -45,16 +52,31 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def test_sse_counter_on_real_llamacpp_streams(name: str, tokens: int, cached: int) -> None:
     raw = (FIXTURES / name).read_bytes()
     for size in (7, 100, len(raw)):
-        c = SseCounter()
-        for i in range(0, len(raw), size):
-            c.feed(raw[i:i + size])
+        c = counted(raw, size)
         assert (c.output_tokens(), c.cached_tokens(), c.engine_error()) == (tokens, cached, False)
     # The same stream without timings and usage: counted from its events, exactly.
     bare = re.sub(rb',"timings":\{[^}]*\}', b"", raw)
     bare = re.sub(rb',"usage":\{[^{}]*(\{[^{}]*\})?[^{}]*\}', b"", bare)
-    c = SseCounter()
-    c.feed(bare)
+    c = counted(bare, len(bare))
     assert (c.output_tokens(), c.cached_tokens()) == (tokens, None)
+
+
+@pytest.mark.parametrize(("name", "tokens", "cached"), [
+    # vLLM 0.32.0 on CPU, --enable-prompt-tokens-details: a role event, then the
+    # usage chunk; 384 of the 422 prompt tokens (whole KV blocks) were cached
+    ("vllm_chat_stream.txt", 24, 384),
+    # ended by the model (finish_reason stop): vLLM sends the end-of-sequence token as
+    # an empty final event and counts it, 10 in its usage...
+    ("vllm_chat_stream_stop.txt", 10, 0),
+    # ...and without include_usage the same answer counts its 9 content events: one
+    # low, the end-of-sequence step (TPOT over 8 gaps instead of 9: 1% off)
+    ("vllm_chat_stream_plain.txt", 9, None),
+])
+def test_sse_counter_on_real_vllm_streams(name: str, tokens: int, cached: int | None) -> None:
+    raw = (FIXTURES / name).read_bytes()
+    for size in (7, 100, len(raw)):
+        c = counted(raw, size)
+        assert (c.output_tokens(), c.cached_tokens(), c.engine_error()) == (tokens, cached, False)
 
 
 def test_sse_counter_sees_an_engine_error_event() -> None:
@@ -117,6 +139,18 @@ def test_real_llamacpp_metrics_page() -> None:
     text = (FIXTURES / "llamacpp_metrics.txt").read_text()
     assert detect_engine(text) == "llamacpp"
     assert parse_engine_metrics(text, "llamacpp") == EngineSample(4, 4, -1.0)
+
+
+def test_real_vllm_metrics_page_and_answer() -> None:
+    """A page saved from vLLM 0.32.0 on CPU (SmolLM2-135M, one stream running while it
+    was read, prefix caching on by default), and its non-streamed answer's usage."""
+    text = (FIXTURES / "vllm_metrics.txt").read_text()
+    assert detect_engine(text) == "vllm"
+    sample = parse_engine_metrics(text, "vllm")
+    assert sample is not None and (sample.running, sample.waiting) == (1, 0)
+    assert sample.kv_usage == pytest.approx(0.011019, abs=1e-6)
+    body = (FIXTURES / "vllm_chat.json").read_bytes()
+    assert (usage_completion_tokens(body), usage_cached_tokens(body)) == (24, 384)
 
 
 def test_engine_metrics_absent() -> None:
