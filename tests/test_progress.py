@@ -69,7 +69,7 @@ def largest_gap(times: list[float]) -> float:
 
 
 def test_demo_shows_progress_every_two_seconds_in_a_terminal_and_none_piped() -> None:
-    args = [*TAILGUARD, "demo", "--duration", "6", "--no-baseline"]
+    args = [*TAILGUARD, "demo", "--duration", "4", "--no-baseline"]
     text, times = in_terminal(args, timeout_s=120)
     assert "attainment so far" in text  # the live view
     assert "SLO attainment" in text  # the final table
@@ -81,7 +81,7 @@ def test_demo_shows_progress_every_two_seconds_in_a_terminal_and_none_piped() ->
 
 
 def test_sim_progress_only_in_a_terminal_and_without_quiet() -> None:
-    args = [*TAILGUARD, "sim", str(SCENARIO), "--duration", "300", "--policies",
+    args = [*TAILGUARD, "sim", str(SCENARIO), "--duration", "150", "--policies",
             "tailguard,round_robin"]
     text, times = in_terminal(args, timeout_s=180)
     assert re.search(r"tailguard\S*\s.*\d+/\d+ s", text), text[:1000]  # "t/horizon s"
@@ -91,7 +91,7 @@ def test_sim_progress_only_in_a_terminal_and_without_quiet() -> None:
     out = piped(args, timeout_s=180)
     for text in (quiet, out):
         assert "SLO att." in text  # the result table
-        assert not re.search(r"\d+/300 s", text), text[:1000]
+        assert not re.search(r"\d+/150 s", text), text[:1000]
     assert "\x1b[" not in out
 
 
