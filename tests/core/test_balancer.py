@@ -202,3 +202,24 @@ def test_stream_progress_is_recorded_and_replays() -> None:
         b.tick(now)
     assert any(r["op"] == "progress" for r in rec)
     assert replay(rec).differences == []
+
+
+def test_progress_that_judges_no_piece_changes_nothing() -> None:
+    """Only calls that judge a piece are recorded, so the others must leave no trace:
+    an 8-token answer told its progress is judged as one told nothing."""
+    samples = []
+    for tell in (False, True):
+        b = make(1, "tailguard")
+        b.tick(0.0)
+        t = b.pick(MODEL, 300, 0.0)
+        assert t is not None and b.outliers is not None
+        b.on_first_token(t, 0.1)
+        if tell:
+            assert b.on_stream_progress(t, 5, 0.5) == 1.1  # too early: ask again at 1.1 s
+            assert b.on_stream_progress(t, 7, 1.2) == 1.2  # too few tokens: next chunk
+        b.on_finish(t, 1.3, Outcome.OK, 8)
+        levels = b.outliers.health["n0"].decode.levels
+        samples.append(({k: tuple(v) for k, v in levels.items()},
+                        b.nodes["n0"].capacity.decode.samples))
+    assert samples[0] == samples[1]
+    assert len(samples[0][0]) == 1 and samples[0][1] == 1  # one sample each, the same

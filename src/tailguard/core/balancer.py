@@ -554,19 +554,20 @@ class Balancer:
         if det is None or ticket.released or ticket.t_first < 0.0 \
                 or det.config.segment_s <= 0.0:
             return math.inf
-        if ticket.seg_t < 0.0:
-            ticket.seg_t = ticket.t_first
-            ticket.seg_batch = ticket.batch_at_first
+        # Nothing changes until a piece is judged: only those calls are recorded.
+        first = ticket.seg_t < 0.0
+        start = ticket.t_first if first else ticket.seg_t
         seg_s = det.config.segment_s
-        if now - ticket.seg_t < seg_s:
-            return ticket.seg_t + seg_s
+        if now - start < seg_s:
+            return start + seg_s
         n = tokens - ticket.seg_tokens
         if n < MIN_DECODE_TOKENS:
             return now  # a slow piece: the next chunk may complete it
         if self.recorder is not None:
             self.recorder({"t": now, "op": "progress", "ticket": ticket.id, "tokens": tokens})
-        batch, expected = self._decode_expected(ticket, ticket.seg_batch)
-        det.on_decode(ticket.node, (now - ticket.seg_t) / n, expected, batch, now, ticket.seg_t)
+        batch, expected = self._decode_expected(
+            ticket, ticket.batch_at_first if first else ticket.seg_batch)
+        det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start)
         ticket.seg_t = now
         ticket.seg_tokens = tokens
         ticket.seg_batch = ticket.node.fleet_in_flight
