@@ -62,11 +62,14 @@ class (``r = 0.92``, ``sigma`` 0.15) crosses ``h`` in two samples; at under one
 request per second the same evidence takes as many seconds as the samples take
 to arrive, and an interval with no new sample gives no verdict at all.
 Verdicts come at each interval's close and act after K flagged intervals, but a
-decode flag at ``sure_ratio`` (2.5x) or slower degrades a healthy node at once
-once its excess has outlived the requests that showed it first (a slow sample
-over work begun after the excess's first sample had ended: a stall slows every
-request in flight at once, and the work after it runs at full speed): at a few
-samples a minute the wait for a second interval is most of the detection time.
+decode flag (at ``sure_ratio``, by default the flag's own 1.5x) degrades a
+healthy node at once when its excess has outlived the requests that showed it
+first (a slow sample over work begun after the excess's first sample had ended:
+a stall slows every request in flight at once, and the work after it runs at
+full speed). TPOT carries no queue; at a few samples a minute the wait for a
+second interval was most of the detection time (a llama.cpp server at a third
+of its speed, read 2.1x slow beside peers sharing its two cores, took over 20 s
+that way; acting at once, the simulated healthy hour still has no detection).
 
 A streamed answer's decode is judged in pieces as it runs (``segment_s``, 1 s,
 and at least 8 tokens each, where the driver reports the stream's progress, as
@@ -163,8 +166,8 @@ class OutlierConfig:
     # ...except a decode flag this slow whose excess outlived the requests that
     # showed it first, which acts at once: TPOT carries no queue, and such an
     # excess is neither a burst of contention nor one stall seen by every request
-    # in flight.
-    sure_ratio: float = 2.5
+    # in flight. By default every decode flag (slow_ratio); higher asks more.
+    sure_ratio: float = 1.5
     # A stream's decode is judged in pieces of at least this long (and
     # MIN_DECODE_TOKENS tokens) as its tokens arrive, where the driver reports them
     # (the gateway does): a straggler shows before its answers end. 0: whole
