@@ -109,8 +109,8 @@ class Ticket:
         self.presumed = False  # prompt counted as prefilled without a first token
         self.released = False
         self.permit: Limiter | None = None  # the node's limiter, when its pool has limits
-        # The decode piece under way (on_stream_progress): since when, from which
-        # token, the node's load then. seg_t < 0: none judged yet.
+        # The decode piece under way (on_stream_progress), from the first token on:
+        # since when, from which token, the node's load then.
         self.seg_t = -1.0
         self.seg_tokens = 1
         self.seg_batch = 0
@@ -423,8 +423,8 @@ class Balancer:
                 rec["defer"] = True
             self.recorder(rec)
         node = ticket.node
-        ticket.t_first = now
-        ticket.batch_at_first = node.fleet_in_flight
+        ticket.t_first = ticket.seg_t = now
+        ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.prompt_tokens
@@ -523,7 +523,7 @@ class Balancer:
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is None:
                 return
-            if ticket.seg_t < 0.0:
+            if ticket.seg_tokens == 1:  # no piece judged while it ran: the whole answer
                 self.outliers.on_decode(node, tpot, expected_step, batch, now, ticket.t_first)
                 return
             # The pieces judged as the stream ran; the rest, if long enough, now.
@@ -555,8 +555,7 @@ class Balancer:
                 or det.config.segment_s <= 0.0:
             return math.inf
         # Nothing changes until a piece is judged: only those calls are recorded.
-        first = ticket.seg_t < 0.0
-        start = ticket.t_first if first else ticket.seg_t
+        start = ticket.seg_t
         seg_s = det.config.segment_s
         if now - start < seg_s:
             return start + seg_s
@@ -565,8 +564,7 @@ class Balancer:
             return now  # a slow piece: the next chunk may complete it
         if self.recorder is not None:
             self.recorder({"t": now, "op": "progress", "ticket": ticket.id, "tokens": tokens})
-        batch, expected = self._decode_expected(
-            ticket, ticket.batch_at_first if first else ticket.seg_batch)
+        batch, expected = self._decode_expected(ticket, ticket.seg_batch)
         det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start)
         ticket.seg_t = now
         ticket.seg_tokens = tokens
