@@ -33,6 +33,7 @@ from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limi
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
 from tailguard.core.predict import decode_step_s, prefill_s, running_batch
+from tailguard.core.prefix import PrefixIndex
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
 from tailguard.core.shared import merged_speed
 from tailguard.errors import ConfigError
@@ -58,6 +59,10 @@ MIN_DECODE_TOKENS = 8
 # prompt on llama.cpp: 18 ms against 578 ms uncached) and teaches nothing.
 CACHE_HIT_RATIO = 0.25
 
+# Tokens per hashed prompt block when the driver hashes prompts (the gateway);
+# a simulated workload brings its own (Mooncake's traces: 512).
+PREFIX_BLOCK_TOKENS = 128
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -70,6 +75,7 @@ class PoolConfig:
     catalog_model: str | None = None  # the catalog entry for the roofline prior
     limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
     admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
+    prefix_block_tokens: int = PREFIX_BLOCK_TOKENS  # what one hash of a request's prefix covers
 
 
 class Ticket:
@@ -77,8 +83,11 @@ class Ticket:
 
     __slots__ = (
         "ahead_tokens",
+        "backlog",
         "batch_at_dispatch",
         "batch_at_first",
+        "blocks",
+        "hit_blocks",
         "id",
         "node",
         "pending_prefill",
@@ -95,11 +104,16 @@ class Ticket:
     )
 
     def __init__(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
-                 ticket_id: int = 0) -> None:
+                 ticket_id: int = 0, blocks: Sequence[int] = (), hit_blocks: int = 0) -> None:
         self.id = ticket_id  # the balancer's sequence number: names it in recordings
         self.node = node
         self.pool = pool
         self.prompt_tokens = prompt_tokens
+        self.blocks = blocks  # the prompt's hashed blocks
+        self.hit_blocks = hit_blocks  # how many the router expected the node to hold
+        # The prompt work it adds to the node's backlog: what the node is expected to compute.
+        hit = min(hit_blocks * pool.config.prefix_block_tokens, max(0, prompt_tokens - 1))
+        self.backlog = prompt_tokens - hit
         self.t_dispatch = now
         self.t_first = -1.0
         self.ahead_tokens = node.fleet_backlog
@@ -143,8 +157,8 @@ class Ticket:
 class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
-    __slots__ = ("_eligible", "config", "limited", "mean_output", "mean_prompt", "name", "nodes",
-                 "policy", "queue")
+    __slots__ = ("_eligible", "config", "dispatch_hook", "limited", "mean_output", "mean_prompt",
+                 "name", "nodes", "policy", "prefix", "queue")
 
     def __init__(self, config: PoolConfig, policy: Policy) -> None:
         self.config = config
@@ -159,6 +173,18 @@ class Pool:
         # A queue implies limits (fixed at the plan unless configured).
         self.limited = config.limits is not None or config.admission is not None
         self.queue = AdmissionQueue(config.admission) if config.admission is not None else None
+        self.prefix: PrefixIndex | None = None  # made by the first request with a prefix
+        # A policy that keeps its own record of where requests went (cache_aware).
+        self.dispatch_hook: Callable[[str, RequestInfo], None] | None = getattr(
+            policy, "on_dispatch", None)
+
+    def index(self) -> PrefixIndex:
+        """The pool's prefix index (made on first use, sized by each node's KV)."""
+        if self.prefix is None:
+            self.prefix = PrefixIndex(self.config.prefix_block_tokens)
+            for n in self.nodes:
+                self.prefix.set_kv(n.id, n.perf.kv_capacity_tokens)
+        return self.prefix
 
     def eligible(self) -> list[Node]:
         if self._eligible is None:
@@ -322,8 +348,12 @@ class Balancer:
         max_tokens: int | None = None,
         priority: int = 1,
         exclude: Sequence[str] = (),
+        prefix: Sequence[int] = (),
     ) -> Ticket | None:
-        """Choose a node and take a permit on it; None if no node can take it."""
+        """Choose a node and take a permit on it; None if no node can take it.
+
+        ``prefix``: the hashes of the prompt's blocks (the pool's
+        ``prefix_block_tokens`` each, chained), for prefix-cache affinity."""
         self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None:
@@ -335,8 +365,10 @@ class Balancer:
             nodes = [n for n in nodes if n.limiter is None or n.limiter.has_room()]
         if not nodes:
             return None
+        hits = pool.index().match(prefix) if prefix else {}
         req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
-                          priority)
+                          priority, self._cached(pool, hits), prefix,
+                          pool.config.prefix_block_tokens)
         node_id = None
         if self.outliers is not None and self.outliers.on_probation:
             node_id = self.outliers.canary(nodes, self.rng)  # a canary request
@@ -345,16 +377,30 @@ class Balancer:
         if node_id is not None:
             self._ticket_seq += 1
         if self.recorder is not None and not self._quiet:
-            self.recorder({"t": now, "op": "pick", "model": model, "prompt_tokens": prompt_tokens,
-                           "max_tokens": max_tokens, "priority": priority,
-                           "exclude": list(exclude), "node": node_id,
-                           "ticket": self._ticket_seq if node_id is not None else None})
+            rec = {"t": now, "op": "pick", "model": model, "prompt_tokens": prompt_tokens,
+                   "max_tokens": max_tokens, "priority": priority, "exclude": list(exclude),
+                   "node": node_id, "ticket": self._ticket_seq if node_id is not None else None}
+            if prefix:
+                rec["prefix"] = list(prefix)
+            self.recorder(rec)
         if node_id is None:
             return None
-        return self._issue(self.nodes[node_id], pool, prompt_tokens, now)
+        if pool.dispatch_hook is not None:
+            pool.dispatch_hook(node_id, req)
+        return self._issue(self.nodes[node_id], pool, prompt_tokens, now, prefix,
+                           hits.get(node_id, 0))
+
+    @staticmethod
+    def _cached(pool: Pool, hits: Mapping[str, int]) -> Mapping[str, int]:
+        """Blocks held per node, as prompt tokens the node need not prefill."""
+        if not hits:
+            return hits
+        bt = pool.config.prefix_block_tokens
+        return {node: k * bt for node, k in hits.items()}
 
     def rank(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None = None,
-             priority: int = 1, exclude: Sequence[str] = (), n: int = 1) -> list[str]:
+             priority: int = 1, exclude: Sequence[str] = (), n: int = 1,
+             prefix: Sequence[int] = ()) -> list[str]:
         """The nodes :meth:`pick` would choose now, best first, up to ``n``, taking no
         permit: an ordered fallback list (the endpoint picker hands it to the data
         plane, whose retries walk it; :meth:`take` then accounts for the one used)."""
@@ -363,8 +409,10 @@ class Balancer:
         if pool is not None and n > 0:
             nodes = [x for x in pool.eligible() if x.id not in exclude and not (
                 pool.limited and x.limiter is not None and not x.limiter.has_room())]
+            hits = pool.index().match(prefix) if prefix else {}
             req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output,
-                              pool.mean_prompt, priority)
+                              pool.mean_prompt, priority, self._cached(pool, hits), prefix,
+                              pool.config.prefix_block_tokens)
             # A copy chooses: a stateful policy (round robin's turn) must not move on
             # for choices that send nothing.
             policy = copy.copy(pool.policy)
@@ -375,12 +423,16 @@ class Balancer:
                 out.append(node_id)
                 nodes = [x for x in nodes if x.id != node_id]
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "rank", "model": model, "prompt_tokens": prompt_tokens,
-                           "max_tokens": max_tokens, "priority": priority,
-                           "exclude": list(exclude), "n": n, "nodes": out})
+            rec = {"t": now, "op": "rank", "model": model, "prompt_tokens": prompt_tokens,
+                   "max_tokens": max_tokens, "priority": priority, "exclude": list(exclude),
+                   "n": n, "nodes": out}
+            if prefix:
+                rec["prefix"] = list(prefix)
+            self.recorder(rec)
         return out
 
-    def take(self, model: str, node_id: str, prompt_tokens: int, now: float) -> Ticket | None:
+    def take(self, model: str, node_id: str, prompt_tokens: int, now: float,
+             prefix: Sequence[int] = ()) -> Ticket | None:
         """A permit on ``node_id`` whatever its load or limit, because the request is
         there already (the data plane fell back to it); None for a node not known."""
         pool = self.pools.get(model)
@@ -389,15 +441,22 @@ class Balancer:
             return None
         self._ticket_seq += 1
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "take", "model": model, "node": node_id,
-                           "prompt_tokens": prompt_tokens, "ticket": self._ticket_seq})
-        return self._issue(node, pool, prompt_tokens, now)
+            rec = {"t": now, "op": "take", "model": model, "node": node_id,
+                   "prompt_tokens": prompt_tokens, "ticket": self._ticket_seq}
+            if prefix:
+                rec["prefix"] = list(prefix)
+            self.recorder(rec)
+        hit = pool.index().match(prefix).get(node_id, 0) if prefix else 0
+        return self._issue(node, pool, prompt_tokens, now, prefix, hit)
 
-    def _issue(self, node: Node, pool: Pool, prompt_tokens: int, now: float) -> Ticket:
-        ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq)
+    def _issue(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
+               prefix: Sequence[int] = (), hit_blocks: int = 0) -> Ticket:
+        ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq, prefix, hit_blocks)
+        if prefix:
+            pool.index().insert(node.id, prefix)
         node.in_flight += 1
         node.prefilling += 1
-        node.prefill_backlog += prompt_tokens
+        node.prefill_backlog += ticket.backlog
         node.prefill_tokens_total += prompt_tokens
         node.dispatched_total += 1
         if node.limiter is not None:
@@ -427,7 +486,7 @@ class Balancer:
         ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
             node.prefilling -= 1
-            node.prefill_backlog -= ticket.prompt_tokens
+            node.prefill_backlog -= ticket.backlog
             node.decoding += 1
         node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
@@ -500,7 +559,7 @@ class Balancer:
         node.in_flight -= 1
         if ticket.t_first < 0.0 and not ticket.presumed:
             node.prefilling -= 1
-            node.prefill_backlog -= ticket.prompt_tokens
+            node.prefill_backlog -= ticket.backlog
         else:
             node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):
@@ -510,6 +569,8 @@ class Balancer:
         if outcome is not Outcome.OK:
             return
         pool = ticket.pool
+        if ticket.blocks and cached_tokens is not None and pool.prefix is not None:
+            pool.prefix.observe(node.id, ticket.blocks, ticket.hit_blocks, cached_tokens)
         pool.mean_output += (output_tokens - pool.mean_output) * 0.01
         if not timed:
             return
@@ -617,7 +678,7 @@ class Balancer:
             ticket.presumed = True
             node = ticket.node
             node.prefilling -= 1
-            node.prefill_backlog -= ticket.prompt_tokens
+            node.prefill_backlog -= ticket.backlog
             node.decoding += 1
             moved.add(ticket.pool.name)
         for name in sorted(moved):  # a shorter backlog may admit a waiter
@@ -640,6 +701,7 @@ class Balancer:
         ttft_s: float | None = None,
         size_bytes: int = 0,
         payload: Any = None,
+        prefix: Sequence[int] = (),
     ) -> Ticket | Waiter | Shed | None:
         """Admit a request: a Ticket (dispatched now), a Waiter (queued), a Shed
         (answer 429 now) or None (no routable node: as :meth:`pick`).
@@ -653,23 +715,25 @@ class Balancer:
         self._quiet += 1  # the picks inside are part of this decision's record
         try:
             got = self._admit(model, prompt_tokens, now, max_tokens, priority, exclude, ttft_s,
-                              size_bytes, payload)
+                              size_bytes, payload, prefix)
         finally:
             self._quiet -= 1
         if self.recorder is not None:
-            self.recorder({"t": now, "op": "admit", "model": model, "prompt_tokens": prompt_tokens,
-                           "max_tokens": max_tokens, "priority": priority,
-                           "exclude": list(exclude), "ttft_s": ttft_s, "size_bytes": size_bytes,
-                           "result": decision_dict(got)})
+            rec = {"t": now, "op": "admit", "model": model, "prompt_tokens": prompt_tokens,
+                   "max_tokens": max_tokens, "priority": priority, "exclude": list(exclude),
+                   "ttft_s": ttft_s, "size_bytes": size_bytes, "result": decision_dict(got)}
+            if prefix:
+                rec["prefix"] = list(prefix)
+            self.recorder(rec)
         return got
 
     def _admit(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None,
                priority: int, exclude: Sequence[str], ttft_s: float | None, size_bytes: int,
-               payload: Any) -> Ticket | Waiter | Shed | None:
+               payload: Any, prefix: Sequence[int]) -> Ticket | Waiter | Shed | None:
         self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None or not pool.limited:
-            return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude)
+            return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude, prefix)
         queue = pool.queue
         if queue is not None:
             queue.on_arrival(min(max(priority, 0), 2), now)
@@ -679,7 +743,7 @@ class Balancer:
         if queue is None or sum(queue.by_priority[: min(max(priority, 0), 2) + 1]) == 0:
             avoid = exclude if queue is None else self._unsuitable(
                 pool, prompt_tokens, priority, deadline - now, exclude, now)
-            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, avoid)
+            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, avoid, prefix)
             if ticket is not None:
                 return ticket
         if not any(n.id not in exclude for n in pool.eligible()):
@@ -688,7 +752,7 @@ class Balancer:
             return Shed("no_capacity", 1.0)
         self._waiter_seq += 1
         waiter = Waiter(model, prompt_tokens, max_tokens, priority, now, deadline, size_bytes,
-                        exclude, payload, self._waiter_seq)
+                        exclude, payload, self._waiter_seq, prefix)
         shed, displaced = queue.offer(waiter, now)
         for w in displaced:
             self._queue_decisions.append((w, Shed("displaced", queue.retry_after(now))))
@@ -738,7 +802,8 @@ class Balancer:
                                      w.exclude, now)
             self._quiet += 1  # recorded with the decision, by poll_queue
             try:
-                ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid)
+                ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid,
+                                   w.prefix)
             finally:
                 self._quiet -= 1
             if ticket is None:

@@ -119,14 +119,16 @@ class Exchange:
         got: Ticket | Waiter | Shed | None
         if pool is not None and pool.limited:
             got = b.admit(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude,
-                          ttft_s=r.ttft_s, size_bytes=r.size_bytes, payload=self)
+                          ttft_s=r.ttft_s, size_bytes=r.size_bytes, payload=self,
+                          prefix=r.prefix)
             if isinstance(got, Waiter):
                 self.waiter = got
                 return (Queue(got),)
             if isinstance(got, Shed):
                 return self._refuse(got)
         else:
-            got = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude)
+            got = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude,
+                         r.prefix)
         if got is None:
             return self._no_capacity()
         return (self._dispatch(got, now, None, False),)
@@ -173,7 +175,7 @@ class Exchange:
             return NONE
         r = self.request
         ticket = self.balancer.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                                    self._avoid())  # a node not tried yet
+                                    self._avoid(), r.prefix)  # a node not tried yet
         if ticket is None:
             h.refund()
             return NONE
@@ -213,7 +215,7 @@ class Exchange:
         r = self.request
         if not final and self.attempts < self.retries.attempts and self.budget.try_spend(now):
             ticket = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                            self._avoid())
+                            self._avoid(), r.prefix)
             if ticket is not None:
                 return (self._dispatch(ticket, now, failure.origin, False),)
         return self._fail(failure, copy.node_id, False)
@@ -227,7 +229,7 @@ class Exchange:
         if n <= 0 or not self.budget.can_spend(now):
             return []
         return self.balancer.rank(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                                  self._avoid(), n)
+                                  self._avoid(), n, r.prefix)
 
     def redirected(self, copy: Copy, node_id: str, now: float,
                    failure: Failure) -> tuple[Action, ...]:
@@ -241,7 +243,8 @@ class Exchange:
             return NONE
         self._drop(copy, now, failure)
         self.budget.try_spend(now)  # it happened anyway: the budget learns of it
-        ticket = self.balancer.take(self.request.model, node_id, self.request.prompt_tokens, now)
+        r = self.request
+        ticket = self.balancer.take(r.model, node_id, r.prompt_tokens, now, r.prefix)
         if ticket is None:
             return self._fail(failure, copy.node_id, False)
         return (self._dispatch(ticket, now, failure.origin, False),)

@@ -31,6 +31,7 @@ class Request(NamedTuple):
     ttft_s: float | None = None  # the client's own TTFT budget, for the queue's deadline
     size_bytes: int = 0  # the body's size, for the queue's byte cap
     exclude: tuple[str, ...] = ()  # nodes it must not go to (outside a data plane's subset)
+    prefix: tuple[int, ...] = ()  # the prompt's hashed blocks (prefix-cache affinity)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,7 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
         elif op == "pick":
             ticket = balancer.pick(rec["model"], rec["prompt_tokens"], rec["t"],
                                    rec.get("max_tokens"), rec.get("priority", 1),
-                                   tuple(rec.get("exclude", ())))
+                                   tuple(rec.get("exclude", ())), tuple(rec.get("prefix", ())))
             out.decisions += 1
             got = ticket.node_id if ticket is not None else None
             if got != rec["node"]:
@@ -89,20 +89,22 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
         elif op == "rank":
             ranked = balancer.rank(rec["model"], rec["prompt_tokens"], rec["t"],
                                    rec.get("max_tokens"), rec.get("priority", 1),
-                                   tuple(rec.get("exclude", ())), rec.get("n", 1))
+                                   tuple(rec.get("exclude", ())), rec.get("n", 1),
+                                   tuple(rec.get("prefix", ())))
             out.decisions += 1
             if ranked != rec["nodes"]:
                 out.differences.append({"record": i, "op": "rank", "t": rec["t"],
                                         "recorded": rec["nodes"], "replayed": ranked})
         elif op == "take":
-            taken = balancer.take(rec["model"], rec["node"], rec["prompt_tokens"], rec["t"])
+            taken = balancer.take(rec["model"], rec["node"], rec["prompt_tokens"], rec["t"],
+                                  tuple(rec.get("prefix", ())))
             if taken is not None:
                 tickets[rec["ticket"]] = taken
         elif op == "admit":
             admitted = balancer.admit(rec["model"], rec["prompt_tokens"], rec["t"],
                                  rec.get("max_tokens"), rec.get("priority", 1),
                                  tuple(rec.get("exclude", ())), rec.get("ttft_s"),
-                                 rec.get("size_bytes", 0))
+                                 rec.get("size_bytes", 0), prefix=tuple(rec.get("prefix", ())))
             out.decisions += 1
             replayed = decision_dict(admitted)
             if replayed != rec["result"]:

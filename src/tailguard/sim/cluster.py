@@ -101,6 +101,9 @@ class RunRecord:
     queue_s: list[float] = field(default_factory=list)
     priority: list[int] = field(default_factory=list)
     limits: dict[str, int] = field(default_factory=dict)
+    # With shared prefixes: prompt tokens each request's answering copy found in
+    # its engine's prefix cache.
+    cached: list[int] = field(default_factory=list)
 
 
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
@@ -136,11 +139,18 @@ def run_cluster(
     retries: RetryConfig | None = None,
     exchange_type: type[Exchange] = Exchange,
     gpu_telemetry: bool = False,
+    blocks: Sequence[tuple[int, ...]] | None = None,
+    block_tokens: int = 0,
 ) -> RunRecord:
-    """Simulate one policy on one fleet for one request list; return per-request outcomes."""
-    balancer = Balancer(node_specs(plans, model),
-                        [PoolConfig(model, policy, dict(policy_options or {}), slo,
-                                    limits=limits, admission=admission)],
+    """Simulate one policy on one fleet for one request list; return per-request outcomes.
+
+    ``blocks``: each request's hashed ``block_tokens``-token blocks (prompt, then
+    answer), for the engines' prefix caches and the router's prefix index."""
+    pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
+                      admission=admission)
+    if blocks is not None:
+        pool = dataclasses.replace(pool, prefix_block_tokens=block_tokens)
+    balancer = Balancer(node_specs(plans, model), [pool],
                         random.Random(f"{seed}:{policy}:route"),
                         # None (capacity probes, unit runs): no detection.
                         outliers=outliers or OutlierConfig(enabled=False))
@@ -149,7 +159,8 @@ def run_cluster(
                      hedger=Hedger(hedging) if hedging is not None and hedging.enabled else None,
                      limited=limits is not None or admission is not None,
                      priorities=priorities, retries=retries or RetryConfig(),
-                     exchange_type=exchange_type, gpu_telemetry=gpu_telemetry)
+                     exchange_type=exchange_type, gpu_telemetry=gpu_telemetry,
+                     blocks=blocks, block_tokens=block_tokens)
     return sim.run(horizon_s, tick_s, progress)
 
 
@@ -161,8 +172,11 @@ class ClusterSim:
                  seed: int, network_rtt_s: float, faults: Sequence[Fault], step_by_step: bool,
                  hedger: Hedger | None, limited: bool, priorities: Sequence[int] | None,
                  retries: RetryConfig, exchange_type: type[Exchange],
-                 gpu_telemetry: bool = False) -> None:
+                 gpu_telemetry: bool = False, blocks: Sequence[tuple[int, ...]] | None = None,
+                 block_tokens: int = 0) -> None:
         n = len(arrivals)
+        self.blocks = blocks
+        self.bt = block_tokens
         self.gpu_telemetry = gpu_telemetry
         self.balancer = balancer
         self.model = model
@@ -185,6 +199,8 @@ class ClusterSim:
         if limited:
             self.rec.queue_s = [0.0] * n
             self.rec.priority = self.prio
+        if blocks is not None:
+            self.rec.cached = [0] * n
         self.exchanges: list[Exchange | None] = [None] * n
         # By copy id, which is its engine request id; None once its exchange ended
         # (its later events are stale), so that ended exchanges are not kept alive.
@@ -246,7 +262,11 @@ class ClusterSim:
                 owner = self.copy_ex[a]
                 if owner is not None:
                     rid = owner.tag
-                    ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now)
+                    if self.blocks is None:
+                        ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now)
+                    else:
+                        ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now,
+                                         self.blocks[rid], self.bt)
                     self._reschedule(ns)
             elif kind <= FAIL:  # FIRST, FINISH, FAIL
                 copy = copies[a]
@@ -318,8 +338,12 @@ class ClusterSim:
 
     def _arrive(self, rid: int, now: float) -> None:
         rec = self.rec
+        prefix: tuple[int, ...] = ()
+        if self.blocks is not None:  # what a gateway hashes: the prompt's blocks
+            prefix = self.blocks[rid][: rec.prompt[rid] // self.bt]
         ex = self.exchange_type(self.balancer,
-                                Request(self.model, rec.prompt[rid], None, self.prio[rid]),
+                                Request(self.model, rec.prompt[rid], None, self.prio[rid],
+                                        prefix=prefix),
                                 self.retries, self.budget, self.hedger, rid)
         self.exchanges[rid] = ex
         self._do(ex, ex.arrive(now), now)
@@ -327,7 +351,9 @@ class ClusterSim:
             self._settle(ex, now)
 
     def _first(self, ex: Exchange, copy: Copy, now: float) -> None:
-        actions = ex.first_chunk(copy, now)
+        # With prefix caching the count of cached prompt tokens comes at the end,
+        # with the usage, as from vLLM: the prefill sample waits for it.
+        actions = ex.first_chunk(copy, now, defer_prefill=self.blocks is not None)
         if actions:  # the race's losers
             self._do(ex, actions, now)
         if copy.state == COMMITTED and self.rec.first[ex.tag] < 0.0:
@@ -340,7 +366,12 @@ class ClusterSim:
         if copy.state == ENDED:
             return
         rid = ex.tag
-        actions = ex.finished(copy, now, Outcome.OK, self.rec.output[rid])
+        cached: int | None = None
+        if self.blocks is not None:
+            cached = self.nodes[self.copy_node[copy.io]].engine.cached_tokens(copy.io)
+            if ex.committed is copy or ex.committed is None:
+                self.rec.cached[rid] = cached
+        actions = ex.finished(copy, now, Outcome.OK, self.rec.output[rid], cached_tokens=cached)
         if actions:
             self._do(ex, actions, now)
         self._settle(ex, now)

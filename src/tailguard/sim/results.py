@@ -83,7 +83,7 @@ def compute_result(
             "tpot_p99_s": round(float(np.percentile(tpot[done], 99)), 6) if done.any() else 0.0,
             "slo_attainment": round(float(meets[mask].mean()), 6) if mask.any() else 0.0,
         }
-    return {
+    result: dict[str, Any] = {
         "offered_rps": round(offered_rps, 6),
         "requests": requests,
         "completed": completed,
@@ -103,6 +103,29 @@ def compute_result(
              **({"cause": e.cause} if e.cause else {})}
             for e in rec.events
         ],
+    }
+    if rec.cached:
+        result["prefix"] = prefix_stats(rec, window, ok, first - arr)
+    return result
+
+
+def prefix_stats(rec: RunRecord, window: np.ndarray[Any, Any], ok: np.ndarray[Any, Any],
+                 ttft: np.ndarray[Any, Any]) -> dict[str, Any]:
+    """Prefix-cache use of the completed requests: hit rate (cached prompt tokens
+    over prompt tokens), prefill tokens saved, and TTFT of those that hit and
+    those that did not."""
+    cached = np.asarray(rec.cached, dtype=float)[window][ok]
+    prompt = np.asarray(rec.prompt, dtype=float)[window][ok]
+    t = ttft[ok]
+    hit = cached > 0
+    total = float(prompt.sum())
+    return {
+        "hit_rate": round(float(cached.sum()) / total, 6) if total else 0.0,
+        "requests_hit": round(float(hit.mean()), 6) if hit.size else 0.0,
+        "prefill_tokens_saved": int(cached.sum()),
+        "prefill_tokens": int(total - cached.sum()),
+        "ttft_cached_s": summary(t[hit]),
+        "ttft_uncached_s": summary(t[~hit]),
     }
 
 

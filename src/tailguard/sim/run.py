@@ -91,7 +91,7 @@ def run_policy(
         network_rtt_s=scn.network_rtt_s, faults=scn.faults, horizon_s=horizon, progress=cb,
         outliers=scn.outliers, hedging=scn.hedging, limits=planned_limits(scn, reqs), admission=scn.admission,
         priorities=draw_priorities(wl.priorities, len(reqs), scn.seed),
-        gpu_telemetry=scn.gpu_telemetry,
+        gpu_telemetry=scn.gpu_telemetry, blocks=reqs.blocks, block_tokens=reqs.block_tokens,
     )
     if records is not None:  # the per-request arrays, for reports (sim/report.py)
         records[choice.label] = rec

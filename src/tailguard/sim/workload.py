@@ -89,6 +89,7 @@ from typing import Any, Literal, Protocol
 
 from tailguard.config_file import check_keys, require_mapping
 from tailguard.errors import ConfigError
+from tailguard.sim.sessions import PrefixSpec, generate_sessions, parse_prefix
 
 __all__ = [
     "DISTS",
@@ -436,6 +437,7 @@ class ArrivalSpec:
     cv: float | None = 1.0
     path: Path | None = None
     speedup: float = 1.0
+    time_scale: float = 1.0  # multiplies a trace's times (0.5 replays it twice as fast)
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,15 +456,25 @@ class WorkloadSpec:
     # Shares of request priorities, e.g. {"high": 0.2, "normal": 0.6, "low": 0.2}
     # (None: all normal); used by the admission queue.
     priorities: Mapping[str, float] | None = None
+    # Sessions with shared prefixes (tailguard.sim.sessions); None: independent prompts.
+    prefix: PrefixSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Requests:
-    """Parallel lists, one entry per request, sorted by arrival time."""
+    """Parallel lists, one entry per request, sorted by arrival time.
+
+    With shared prefixes, ``blocks[i]`` holds the hashes of request ``i``'s full
+    ``block_tokens``-token blocks (prompt, then answer where known) and
+    ``session[i]`` its session (a key for session affinity).
+    """
 
     arrival_s: list[float]
     input_tokens: list[int]
     output_tokens: list[int]
+    blocks: list[tuple[int, ...]] | None = None
+    block_tokens: int = 0
+    session: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -471,6 +483,11 @@ class Requests:
                 f"parallel lists differ in length: {n}, "
                 f"{len(self.input_tokens)}, {len(self.output_tokens)}"
             )
+        for extra in (self.blocks, self.session):
+            if extra is not None and len(extra) != n:
+                raise ValueError(f"parallel lists differ in length: {n}, {len(extra)}")
+        if self.blocks is not None and self.block_tokens < 1:
+            raise ValueError("blocks need block_tokens >= 1")
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -583,8 +600,8 @@ def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpe
     if process not in PROCESSES:
         raise ConfigError(f"{where}.process", f"unknown process {process!r}", list(PROCESSES))
     if process == "trace":
-        check_keys(spec, ("process", "path", "speedup", "rate", "load"), where)
-        scalings = [k for k in ("speedup", "rate", "load") if k in spec]
+        check_keys(spec, ("process", "path", "speedup", "time_scale", "rate", "load"), where)
+        scalings = [k for k in ("speedup", "time_scale", "rate", "load") if k in spec]
         if len(scalings) > 1:
             raise ConfigError(
                 f"{where}.{scalings[1]}",
@@ -605,6 +622,7 @@ def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpe
             cv=None,
             path=path,
             speedup=_number(spec, "speedup", where, default=1.0) or 1.0,
+            time_scale=_number(spec, "time_scale", where, default=1.0) or 1.0,
         )
     allowed = ("process", "rate", "load") + (("cv",) if process == "gamma" else ())
     check_keys(spec, allowed, where)
@@ -625,7 +643,7 @@ def parse_workload(
     (the scenario file's folder), else the working directory."""
     spec = require_mapping(raw, where)
     check_keys(spec, ("duration_s", "warmup_s", "arrival", "input_tokens", "output_tokens",
-                      "priorities"), where)
+                      "priorities", "prefix"), where)
     duration = _required_number(spec, "duration_s", where, positive=True)
     warmup = _number(spec, "warmup_s", where, positive=False, default=0.0) or 0.0
     if warmup >= duration:
@@ -650,7 +668,17 @@ def parse_workload(
         input_tokens=lengths["input_tokens"],
         output_tokens=lengths["output_tokens"],
         priorities=_parse_priorities(spec.get("priorities"), f"{where}.priorities"),
+        prefix=_parse_prefix(spec, arrival, where),
     )
+
+
+def _parse_prefix(spec: Mapping[str, Any], arrival: ArrivalSpec,
+                  where: str) -> PrefixSpec | None:
+    if "prefix" not in spec:
+        return None
+    if arrival.process == "trace":
+        raise ConfigError(f"{where}.prefix", "a trace brings its own prefixes (hash_ids)")
+    return parse_prefix(spec["prefix"], f"{where}.prefix")
 
 
 def _parse_priorities(raw: Any, where: str) -> Mapping[str, float] | None:
@@ -685,14 +713,43 @@ def write_trace(path: str | Path, requests: Requests) -> None:
             out.write("\n")
 
 
-def read_trace(path: str | Path, where: str = "trace") -> Requests:
-    """Read a JSONL trace, sorted by ``t`` (stable for equal times).
+# Tokens per block of the Mooncake traces' hash_ids.
+MOONCAKE_BLOCK_TOKENS = 512
 
-    Blank lines are skipped and unknown keys ignored. A bad line raises a
-    :class:`ConfigError` on ``where`` that names the file and line.
+
+def _mooncake_row(row: Mapping[str, Any], at: str, where: str) -> tuple[float, int, int,
+                                                                       tuple[int, ...]]:
+    """A Mooncake FAST'25 trace line: ``timestamp`` (ms), ``input_length``,
+    ``output_length``, ``hash_ids`` (one per 512-token block of the input)."""
+    ts = row.get("timestamp")
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
+        raise ConfigError(where, f"{at}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
+    counts: list[int] = []
+    for key in ("input_length", "output_length"):
+        n = row.get(key)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= TOKEN_CAP:
+            raise ConfigError(where, f"{at}: {key!r} must be an integer >= 1, got {n!r}")
+        counts.append(n)
+    ids = row.get("hash_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
+                                            for h in ids):
+        raise ConfigError(where, f"{at}: 'hash_ids' must be a list of integers")
+    return float(ts) / 1000.0, counts[0], counts[1], tuple(ids)
+
+
+def read_trace(path: str | Path, where: str = "trace") -> Requests:
+    """Read a JSONL trace, sorted by time (stable for equal times).
+
+    Two formats: tailguard's (``t`` in seconds, ``input_tokens``,
+    ``output_tokens``) and Mooncake's FAST'25 release (``timestamp`` in ms,
+    ``input_length``, ``output_length``, ``hash_ids`` of 512-token prompt
+    blocks, which the engines' prefix caches key on). Blank lines are skipped
+    and unknown keys ignored. A bad line raises a :class:`ConfigError` on
+    ``where`` that names the file and line.
     """
     file = Path(path)
     rows: list[tuple[float, int, int]] = []
+    hashed: list[tuple[float, int, int, tuple[int, ...]]] = []
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
@@ -709,6 +766,9 @@ def read_trace(path: str | Path, where: str = "trace") -> Requests:
             raise ConfigError(where, f"{at}: expected an object, got {type(row).__name__}")
         if "op" in row:  # a gateway's decision recording, not a trace
             return requests_from_recording(text, where, file)
+        if "timestamp" in row:
+            hashed.append(_mooncake_row(row, at, where))
+            continue
         t = row.get("t")
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0.0:
             raise ConfigError(where, f"{at}: 't' must be a finite number >= 0, got {t!r}")
@@ -719,6 +779,13 @@ def read_trace(path: str | Path, where: str = "trace") -> Requests:
                 raise ConfigError(where, f"{at}: {key!r} must be an integer >= 1, got {n!r}")
             counts.append(n)
         rows.append((float(t), counts[0], counts[1]))
+    if hashed:
+        if rows:
+            raise ConfigError(where, f"{file}: mixes Mooncake lines (timestamp) with t lines")
+        hashed.sort(key=lambda r: r[0])
+        return Requests([r[0] for r in hashed], [r[1] for r in hashed], [r[2] for r in hashed],
+                        blocks=[r[3] for r in hashed], block_tokens=MOONCAKE_BLOCK_TOKENS,
+                        session=[r[3][0] if r[3] else -1 for r in hashed])
     rows.sort(key=lambda r: r[0])
     return Requests([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
@@ -823,6 +890,8 @@ def _trace_times(spec: WorkloadSpec, rate: float | None, times: list[float]) -> 
         return [t * factor for t in times]
     if arrival.speedup != 1.0:
         return [t / arrival.speedup for t in times]
+    if arrival.time_scale != 1.0:
+        return [t * arrival.time_scale for t in times]
     return times
 
 
@@ -860,13 +929,20 @@ def generate(
             if spec.output_tokens is not None
             else trace.output_tokens[:n]
         )
-        return Requests(times, n_in, n_out)
+        if trace.blocks is None or spec.input_tokens is not None:
+            return Requests(times, n_in, n_out)  # resampled prompts lose their blocks
+        return Requests(times, n_in, n_out, trace.blocks[:n], trace.block_tokens,
+                        trace.session[:n] if trace.session is not None else None)
     resolved = rate if rate is not None else arrival.rate
     if resolved is None:
         raise ValueError("the workload gives a load: resolve it to a rate and pass `rate`")
     if not (resolved > 0.0 and math.isfinite(resolved)):
         raise ValueError(f"rate must be a finite number > 0, got {resolved}")
     assert spec.input_tokens is not None and spec.output_tokens is not None
+    if spec.prefix is not None:
+        return _sessions(spec, spec.prefix,
+                         _arrival_times(arrival, resolved / spec.prefix.requests_per_session,
+                                        duration, time_rng), duration, in_rng)
     times = _arrival_times(arrival, resolved, duration, time_rng)
     n = len(times)
     return Requests(
@@ -876,13 +952,32 @@ def generate(
     )
 
 
+def _sessions(spec: WorkloadSpec, prefix: PrefixSpec, starts: list[float], duration: float,
+              rng: random.Random) -> Requests:
+    got = generate_sessions(prefix, starts, duration,
+                            {"input_tokens": spec.input_tokens,
+                             "output_tokens": spec.output_tokens}, rng)
+    return Requests(got.arrival_s, got.input_tokens, got.output_tokens, got.blocks,
+                    prefix.block_tokens, got.session)
+
+
 def sample_lengths(spec: WorkloadSpec, n: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """``n`` (input, output) length pairs without times, for capacity estimates.
 
     A trace column without a distribution is resampled with replacement (rows
-    are drawn whole, so input and output stay paired).
+    are drawn whole, so input and output stay paired). A prefix workload's
+    prompts carry their history: sessions all started at once give the mix of
+    turns (the estimate prices every prompt uncached).
     """
     _, in_rng, out_rng = _streams(rng)
+    if spec.prefix is not None:
+        sessions = math.ceil(n / spec.prefix.requests_per_session) + 1
+        got = _sessions(spec, spec.prefix, [0.0] * sessions, math.inf, in_rng)
+        while len(got) < n:
+            sessions *= 2
+            got = _sessions(spec, spec.prefix, [0.0] * sessions, math.inf, in_rng)
+        chosen = out_rng.sample(range(len(got)), n)
+        return [got.input_tokens[i] for i in chosen], [got.output_tokens[i] for i in chosen]
     trace: Requests | None = None
     rows: list[int] = []
     if spec.input_tokens is None or spec.output_tokens is None:

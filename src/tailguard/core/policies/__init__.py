@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tailguard.core.policies.base import Policy, RequestInfo, Slo
+from tailguard.core.policies.cache_aware import CacheAware
 from tailguard.core.policies.least_request import LeastRequest
 from tailguard.core.policies.p2c import PowerOfTwo
 from tailguard.core.policies.peak_ewma import PeakEwmaP2C
@@ -25,6 +26,7 @@ REGISTRY: dict[str, type[Any]] = {
         PeakEwmaP2C,
         SeedWeighted,
         TailguardPolicy,
+        CacheAware,
     )
 }
 

@@ -10,7 +10,7 @@ the balancer does the bookkeeping (dispatch and completion counts).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from random import Random
 from typing import Any, Protocol
 
@@ -32,7 +32,9 @@ class RequestInfo:
 
     ``expected_output`` and ``mean_prompt`` come from the pool's running
     statistics (the gateway does not know how long an answer will be);
-    ``max_tokens`` is the client's cap when it gave one.
+    ``max_tokens`` is the client's cap when it gave one. ``cached`` maps the
+    nodes that probably hold a prefix of the prompt in their cache to the prompt
+    tokens they would not prefill; ``prefix`` is the prompt's block hashes.
     """
 
     model: str
@@ -41,6 +43,9 @@ class RequestInfo:
     expected_output: float = 200.0
     mean_prompt: float = 1000.0
     priority: int = 1  # 0 high, 1 normal, 2 low
+    cached: Mapping[str, int] = field(default_factory=dict)
+    prefix: Sequence[int] = ()
+    block_tokens: int = 0  # tokens per hash of ``prefix``
 
 
 class Policy(Protocol):
@@ -49,6 +54,12 @@ class Policy(Protocol):
     def choose(
         self, nodes: Sequence[NodeView], req: RequestInfo, now: float, rng: Random
     ) -> str | None: ...
+
+
+class DispatchAware(Protocol):
+    """A policy that keeps state about where requests went (``cache_aware``'s trees)."""
+
+    def on_dispatch(self, node_id: str, req: RequestInfo) -> None: ...
 
 
 class PolicyFactory(Protocol):

@@ -118,6 +118,7 @@ class TailguardPolicy:
         ttft_limit = self.slo.ttft_s * self.headroom
         tpot_limit = self.slo.tpot_s * self.headroom
         queue_weight = self.queue_weight
+        cached = req.cached
         best_id: str | None = None
         best = float("inf")
         for n in cands:
@@ -126,7 +127,9 @@ class TailguardPolicy:
             running = running_batch(perf, n.slots, batch, footprint)
             tpot = decode_step_s(perf, running, ctx) * n.class_decode_slowdown
             pslow = n.class_prefill_slowdown
-            ttft = prefill_s(perf, n.fleet_backlog, prompt) * pslow + tpot
+            # A prefix the node holds is prefill it need not do.
+            work = prompt - min(cached.get(n.id, 0), prompt - 1) if cached else prompt
+            ttft = prefill_s(perf, n.fleet_backlog, work) * pslow + tpot
             wait = n.fleet_backlog * prefill_token_s(perf) * pslow
             if batch > running:
                 # Queued in the engine: wait for (batch - running) of the running
