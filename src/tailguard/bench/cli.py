@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ from rich.table import Table
 
 from tailguard.bench.lengths import parse_length_arg
 from tailguard.bench.loadgen import BenchConfig, Progress, run_bench
+from tailguard.config_file import read_yaml
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
+from tailguard.sim.workload import Requests, generate, parse_workload
 
 
 def add_parser(sub: Any) -> None:
@@ -37,6 +40,11 @@ def add_parser(sub: Any) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests/s")
     g.add_argument("--concurrency", type=int, help="closed loop: this many clients back to back")
+    g.add_argument("--workload", metavar="FILE",
+                   help="a simulator workload (YAML: a workload: section, or a scenario "
+                        "holding one) with an arrival rate or a trace: its requests at their "
+                        "times, shared prefixes as shared text (sessions, Mooncake traces); "
+                        "its duration_s replaces --duration")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default 30)")
     p.add_argument("--input-tokens", default="200", metavar="DIST",
                    help="prompt lengths: 200, fixed:200, uniform:10,100, lognormal:6.6,1.0, "
@@ -74,10 +82,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise ConfigError(flag, f"must be > 0, got {value}")
     if args.max_requests is not None and args.max_requests < 1:
         raise ConfigError("--max-requests", "must be >= 1")
+    workload = None
+    duration = args.duration
+    if getattr(args, "workload", None):
+        workload, duration = load_bench_workload(args.workload, args.seed)
     try:
         return BenchConfig(
             target=args.target, model=args.model, rate=args.rate, concurrency=args.concurrency,
-            duration_s=args.duration,
+            duration_s=duration, workload=workload,
             input_tokens=parse_length_arg(args.input_tokens, "--input-tokens", "input_tokens"),
             output_tokens=parse_length_arg(args.output_tokens, "--output-tokens", "output_tokens"),
             slo=Slo(args.slo_ttft, args.slo_tpot), stream=args.stream, endpoint=args.endpoint,
@@ -90,6 +102,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if "duration" in str(exc):
             flag = "--duration"
         raise ConfigError(flag, str(exc)) from exc
+
+
+def load_bench_workload(path: str, seed: int) -> tuple[Requests, float]:
+    """The requests of a workload file, and its duration (see ``--workload``)."""
+    file = Path(path)
+    raw = read_yaml(file, "--workload")
+    section = raw.get("workload", raw) if isinstance(raw, dict) else raw
+    spec = parse_workload(section, "workload", file.parent)
+    if spec.arrival.load is not None:
+        raise ConfigError("workload.arrival.load", "a benchmark knows no fleet capacity: give "
+                                                   "a rate (requests/s; a trace: or time_scale)")
+    return generate(spec, None, random.Random(f"{seed}:workload")), spec.duration_s
 
 
 def _f(x: float, digits: int = 3) -> str:

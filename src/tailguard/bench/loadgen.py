@@ -7,7 +7,12 @@ Two ways to offer load:
   the earlier ones, so an overloaded server shows up as growing latency and
   failures (the way users see it), not as a lower sending rate;
 * **closed loop** (``concurrency``): that many clients each send a request,
-  wait for its end, and send the next, until ``duration_s``.
+  wait for its end, and send the next, until ``duration_s``;
+* **a workload** (``workload``): the requests of a simulator workload, sent at
+  their arrival times; with shared prefixes (sessions, a Mooncake trace) each
+  prompt is made of the text of its blocks (:mod:`tailguard.bench.prefix_text`),
+  so the engines' prefix caches see the workload's reuse, and the result
+  reports the hit rate the engines reported (``usage.prompt_tokens_details``).
 
 Prompt and answer lengths are drawn from the simulator's length
 distributions (:mod:`tailguard.sim.workload`) with a seeded generator, so
@@ -60,9 +65,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from tailguard.bench.prefix_text import BlockText
 from tailguard.core.policies import Slo
 from tailguard.sim.results import summary
-from tailguard.sim.workload import FixedLength, LengthDist
+from tailguard.sim.workload import FixedLength, LengthDist, Requests
 
 NODE_HEADER = "x-tailguard-node"
 DIRECT = "direct"
@@ -90,10 +96,12 @@ class BenchConfig:
     timeout_s: float = 600.0  # per request
     label: str = "bench"
     headers: Mapping[str, str] = field(default_factory=dict)  # extra request headers
+    workload: Requests | None = None  # requests to send at their own times (open loop)
 
     def __post_init__(self) -> None:
-        if (self.rate is None) == (self.concurrency is None):
-            raise ValueError("give exactly one of rate and concurrency")
+        given = sum(x is not None for x in (self.rate, self.concurrency, self.workload))
+        if given != 1:
+            raise ValueError("give exactly one of rate, concurrency and workload")
         if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
             raise ValueError(f"rate must be > 0, got {self.rate}")
         if self.concurrency is not None and self.concurrency < 1:
@@ -107,11 +115,16 @@ class BenchConfig:
 class Record:
     """What happened to one request (times in seconds from the run's start)."""
 
-    __slots__ = ("arrival", "end", "error", "first", "input", "max_tokens", "node", "status",
-                 "target", "tokens")
+    __slots__ = ("arrival", "blocks", "cached", "end", "error", "first", "input", "max_tokens",
+                 "node", "prompt_reported", "salt", "status", "target", "tokens")
 
-    def __init__(self, arrival: float, n_in: int, n_out: int) -> None:
+    def __init__(self, arrival: float, n_in: int, n_out: int,
+                 blocks: tuple[int, ...] | None = None, salt: int = 0) -> None:
         self.arrival = arrival
+        self.blocks = blocks  # its prompt's blocks, when the workload shares prefixes
+        self.salt = salt
+        self.cached = -1  # prompt tokens the server reported cached (-1: not reported)
+        self.prompt_reported = 0
         self.input = n_in
         self.max_tokens = n_out
         self.first = -1.0
@@ -135,6 +148,15 @@ class Progress:
     rejected: int
     in_flight: int
     tokens: int
+
+
+def _note_cached(rec: Record, usage: Mapping[str, Any]) -> None:
+    """The server's count of the prompt's tokens served from its prefix cache."""
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        rec.cached = details["cached_tokens"]
+        prompt = usage.get("prompt_tokens")
+        rec.prompt_reported = prompt if isinstance(prompt, int) else 0
 
 
 def _has_text(payload: bytes) -> bool:
@@ -184,17 +206,23 @@ class LoadGenerator:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.elapsed_s = 0.0
+        wl = cfg.workload
+        self._texts = BlockText(wl.block_tokens) if wl is not None and wl.blocks else None
 
     # ---------------------------------------------------------------- requests
 
-    def _body(self, n_in: int, n_out: int) -> bytes:
+    def _body(self, rec: Record) -> bytes:
         cfg = self.cfg
-        text = " tok" * max(1, n_in - 3)
+        n_in, n_out = rec.input, rec.max_tokens
+        if rec.blocks is not None and self._texts is not None:
+            text = self._texts.prompt(rec.blocks, max(1, n_in - 3), rec.salt)
+        else:
+            text = " tok" * max(1, n_in - 3)
         body: dict[str, Any] = {"model": self.model, "max_tokens": n_out, "stream": cfg.stream}
         if cfg.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": text}]
         else:
-            body["prompt"] = " tok" * n_in
+            body["prompt"] = text if rec.blocks is not None else " tok" * n_in
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}
         if cfg.ignore_eos:
@@ -212,7 +240,7 @@ class LoadGenerator:
             url = urls[rec.target]
             self._turn += 1
         try:
-            async with self._session.post(url, data=self._body(rec.input, rec.max_tokens),
+            async with self._session.post(url, data=self._body(rec),
                                           headers=self.headers) as resp:
                 rec.status = resp.status
                 rec.node = resp.headers.get(NODE_HEADER, DIRECT)
@@ -226,7 +254,9 @@ class LoadGenerator:
                 else:
                     doc = json.loads(await resp.read())
                     rec.end = rec.first = clock() - t0
-                    rec.tokens = int(doc.get("usage", {}).get("completion_tokens", 0))
+                    u = doc.get("usage") or {}
+                    rec.tokens = int(u.get("completion_tokens", 0))
+                    _note_cached(rec, u)
                     rec.error = OK
         except TimeoutError:
             rec.error = "timeout"
@@ -271,6 +301,7 @@ class LoadGenerator:
                 if b'"usage":{' in payload:
                     u = json.loads(payload).get("usage") or {}
                     usage_tokens = int(u.get("completion_tokens", -1))
+                    _note_cached(rec, u)
         rec.end = clock() - t0
         rec.tokens = usage_tokens if usage_tokens >= 0 else count
         if failed:
@@ -313,6 +344,22 @@ class LoadGenerator:
             self._launch(Record(t, cfg.input_tokens.sample(lengths_in),
                                 cfg.output_tokens.sample(lengths_out)))
             n += 1
+
+    async def _replay(self) -> None:
+        """A workload's requests at their own arrival times."""
+        wl = self.cfg.workload
+        assert wl is not None
+        limit = self.cfg.max_requests if self.cfg.max_requests is not None else len(wl)
+        blocks = wl.blocks
+        for i in range(min(limit, len(wl))):
+            t = wl.arrival_s[i]
+            if t >= self.cfg.duration_s:
+                break
+            delay = self._t0 + t - self._clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._launch(Record(t, wl.input_tokens[i], wl.output_tokens[i],
+                                blocks[i] if blocks is not None else None, i))
 
     async def _closed_loop(self, rng: random.Random) -> None:
         cfg = self.cfg
@@ -381,8 +428,8 @@ class LoadGenerator:
             if self.progress is not None:
                 reporter = asyncio.ensure_future(self._report())
             try:
-                if cfg.rate is not None:
-                    await self._open_loop(rng)
+                if cfg.rate is not None or cfg.workload is not None:
+                    await (self._open_loop(rng) if cfg.rate is not None else self._replay())
                     if self._tasks:
                         await asyncio.wait(set(self._tasks), timeout=cfg.drain_s)
                 else:
@@ -462,9 +509,9 @@ def summarize(records: list[Record], cfg: BenchConfig, elapsed_s: float) -> dict
         if e != OK:
             by_kind[e] = by_kind.get(e, 0) + 1
     offered = cfg.rate if cfg.rate is not None else n / span
-    return {
+    result: dict[str, Any] = {
         "offered_rps": round(offered, 6),
-        "mode": "open" if cfg.rate is not None else "closed",
+        "mode": "closed" if cfg.concurrency is not None else "open",
         "concurrency": cfg.concurrency,
         "stream": cfg.stream,
         "duration_s": span,
@@ -484,6 +531,20 @@ def summarize(records: list[Record], cfg: BenchConfig, elapsed_s: float) -> dict
         "goodput_rps": round(float(meets.sum()) / span, 6),
         "per_node": _per_node(nodes, ok, meets, ttft, tpot, n),
     }
+    reported = [r for r, good in zip(records, ok, strict=True) if good and r.cached >= 0]
+    if reported:
+        prompt = sum(r.prompt_reported or r.input for r in reported)
+        cached = sum(r.cached for r in reported)
+        hit = np.array([r.cached > 0 for r in reported])
+        t = np.array([r.first - r.arrival for r in reported])
+        result["prefix"] = {
+            "hit_rate": round(cached / prompt, 6) if prompt else 0.0,
+            "requests_hit": round(float(hit.mean()), 6),
+            "prefill_tokens_saved": cached,
+            "ttft_cached_s": summary(t[hit]),
+            "ttft_uncached_s": summary(t[~hit]),
+        }
+    return result
 
 
 async def run_bench(cfg: BenchConfig, progress: Callable[[Progress], None] | None = None

@@ -37,14 +37,15 @@ import math
 
 from tailguard.core.hardware import PerfModel
 from tailguard.emulator.metrics import EngineMetrics
+from tailguard.emulator.protocol import BLOCK_TOKENS
 from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine, EngineConfig
 
 
 class Pending:
     """Delivery state of one request between the driver and its HTTP handler."""
 
-    __slots__ = ("avail", "done", "failed", "first_at", "last_at", "output", "prompt", "rid",
-                 "stream", "submitted_at", "waiter")
+    __slots__ = ("avail", "cached", "done", "failed", "first_at", "last_at", "output", "prompt",
+                 "rid", "stream", "submitted_at", "waiter")
 
     def __init__(self, rid: int, prompt: int, output: int, stream: bool, now: float) -> None:
         self.rid = rid
@@ -52,6 +53,7 @@ class Pending:
         self.output = output
         self.stream = stream
         self.avail = 0  # tokens generated so far (the handler has sent some prefix of them)
+        self.cached = 0  # prompt tokens served from the engine's prefix cache
         self.done = False
         self.failed = False
         self.submitted_at = now  # loop time
@@ -148,7 +150,8 @@ class EngineDriver:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, prompt_tokens: int, output_tokens: int, stream: bool) -> Pending:
+    def submit(self, prompt_tokens: int, output_tokens: int, stream: bool,
+               blocks: tuple[int, ...] = ()) -> Pending:
         assert self._loop is not None, "start() the driver first"
         now = self._loop.time()
         rid = self._next_id
@@ -163,7 +166,8 @@ class EngineDriver:
             self.metrics.on_finish(p, now)
             return p
         self._pending[rid] = p
-        self.engine.submit(rid, prompt_tokens, output_tokens, self._now_e())
+        self.engine.submit(rid, prompt_tokens, output_tokens, self._now_e(), blocks,
+                           BLOCK_TOKENS if blocks else 0)
         self._arm()
         return p
 
@@ -208,6 +212,7 @@ class EngineDriver:
                 if p.stream and p.output > p.avail:
                     metrics.on_tokens(now - p.last_at, p.output - p.avail)
                 p.avail = p.output
+                p.cached = self.engine.cached_tokens(rid)
                 metrics.on_finish(p, now)
                 self._end(p, failed=False)
             elif kind == FAILED:

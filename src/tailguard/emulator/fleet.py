@@ -45,7 +45,7 @@ from tailguard.gateway.config import FleetConfig, NodeConfig, load_fleet
 
 DEFAULT_CATALOG_MODEL = "llama-3.1-8b"
 NODE_KEYS = ("speed", "catalog_model", "max_num_batched_tokens", "enable_chunked_prefill",
-             "kv_capacity_tokens", "block_size")
+             "kv_capacity_tokens", "block_size", "enable_prefix_caching")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +127,8 @@ def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
                                                 bool) is not False),
             kv_capacity_tokens=_option(opts, defaults, "kv_capacity_tokens", where, int),
             block_size=_option(opts, defaults, "block_size", where, int) or base.block_size,
+            enable_prefix_caching=_option(opts, defaults, "enable_prefix_caching", where,
+                                          bool) is not False,
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}.emulator.{exc.field}", str(exc).split(": ", 1)[-1]) from exc

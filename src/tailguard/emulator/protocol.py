@@ -26,8 +26,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tailguard.prompt_blocks import chat_text, prompt_blocks, text_blocks
+
 #: Text of every generated token (one token, as ``" the"`` would be for BPE).
 TOKEN_TEXT = " tok"
+#: Tokens per KV block (vLLM's default block size), and their characters at four a token:
+#: the prompt's text is hashed in such blocks for the engine's prefix cache.
+BLOCK_TOKENS = 16
+BLOCK_CHARS = 4 * BLOCK_TOKENS
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -62,6 +68,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    blocks: tuple[int, ...] = ()  # the prompt's hashed KV blocks, for the prefix cache
 
 
 def _text_tokens(text: str) -> int:
@@ -118,11 +125,13 @@ def parse_request(raw: bytes, chat: bool, models: tuple[str, ...],
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "messages must be a non-empty list", "messages")
         prompt_tokens = estimate_chat_tokens(messages)
+        blocks = text_blocks(chat_text(messages), BLOCK_CHARS)
         max_raw = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         if "prompt" not in body:
             raise RequestError(400, "prompt is required", "prompt")
         prompt_tokens = estimate_prompt_tokens(body["prompt"])
+        blocks = prompt_blocks(body["prompt"], BLOCK_CHARS)
         max_raw = body.get("max_tokens")
     explicit = max_raw is not None
     if max_raw is None:
@@ -136,7 +145,7 @@ def parse_request(raw: bytes, chat: bool, models: tuple[str, ...],
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
     ignore_eos = body.get("ignore_eos", False) is True
     return ParsedRequest(chat, model, prompt_tokens, max_tokens, explicit, stream, include_usage,
-                         ignore_eos)
+                         ignore_eos, blocks)
 
 
 class ChunkTemplate:
@@ -165,14 +174,14 @@ class ChunkTemplate:
                                        "finish_reason": None}])
             self.head = b""
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         doc: dict[str, Any] = {"id": self._id, "object": self._object, "created": self._created,
                                "model": self._model, "choices": choices}
         if usage is not None:
             doc["usage"] = usage
         return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
-    def tail(self, finish_reason: str, usage: dict[str, int] | None) -> bytes:
+    def tail(self, finish_reason: str, usage: dict[str, Any] | None) -> bytes:
         if self.chat:
             last = self._event([{"index": 0, "delta": {}, "logprobs": None,
                                  "finish_reason": finish_reason}])
@@ -189,12 +198,18 @@ class ChunkTemplate:
                                                    "code": status}}).encode() + b"\n\n")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM's usage object; with prefix caching, ``prompt_tokens_details.cached_tokens``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
-def full_response(req: ParsedRequest, tokens: int, finish_reason: str) -> bytes:
+def full_response(req: ParsedRequest, tokens: int, finish_reason: str,
+                  cached_tokens: int | None = None) -> bytes:
     """The non-streaming body of a finished request."""
     text = TOKEN_TEXT * tokens
     if req.chat:
@@ -205,7 +220,8 @@ def full_response(req: ParsedRequest, tokens: int, finish_reason: str) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         rid, obj = "cmpl-" + uuid.uuid4().hex, "text_completion"
     return json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": req.model,
-                       "choices": [choice], "usage": usage(req.prompt_tokens, tokens)},
+                       "choices": [choice],
+                       "usage": usage(req.prompt_tokens, tokens, cached_tokens)},
                       separators=(",", ":")).encode()
 
 

@@ -67,6 +67,7 @@ from tailguard.emulator.protocol import (
     models_body,
     parse_request,
 )
+from tailguard.emulator.protocol import usage as protocol_usage
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import LengthDist
 
@@ -328,7 +329,7 @@ class EngineServer:
         if self.eos is not None and not req.ignore_eos:
             output = min(output, self.eos.sample(self._rng))
         finish = "length" if req.explicit_max and output == req.max_tokens else "stop"
-        p = self.driver.submit(req.prompt_tokens, output, req.stream)
+        p = self.driver.submit(req.prompt_tokens, output, req.stream, req.blocks)
         try:
             if req.stream:
                 return await self._stream(request, req, p, finish)
@@ -337,10 +338,15 @@ class EngineServer:
             if p.failed:
                 return self._refuse(request) if self._down else _error(500, "request failed")
             await self._link_delay()
-            return web.Response(body=full_response(req, p.output, finish), content_type=JSON)
+            return web.Response(body=full_response(req, p.output, finish, self._cached(p)),
+                                content_type=JSON)
         finally:
             if not p.done:
                 self.driver.cancel(p)
+
+    def _cached(self, p: Pending) -> int | None:
+        """The cached-token count to report: vLLM's, when its prefix cache is on."""
+        return p.cached if self.driver.engine.config.enable_prefix_caching else None
 
     async def _stream(self, request: web.Request, req: ParsedRequest, p: Pending,
                       finish: str) -> web.StreamResponse:
@@ -362,8 +368,7 @@ class EngineServer:
                     if p.failed:
                         data += tpl.error_event("engine failed the request")
                     else:
-                        usage = ({"prompt_tokens": req.prompt_tokens, "completion_tokens": sent,
-                                  "total_tokens": req.prompt_tokens + sent}
+                        usage = (protocol_usage(req.prompt_tokens, sent, self._cached(p))
                                  if req.include_usage else None)
                         data += tpl.tail(finish, usage)
                 if data:

@@ -319,7 +319,7 @@ class _Exchange:
         self.ex = picker.exchange_type(
             fleet.balancer,
             Request(req.model, req.prompt_tokens, req.max_tokens, self._priority(), req.stream,
-                    ttft_budget(h.get(TTFT_HEADER)), len(body), exclude),
+                    ttft_budget(h.get(TTFT_HEADER)), len(body), exclude, req.prefix),
             settings.retries, fleet.budget(req.model), None)
         return self._carry_out(self.ex.arrive(time.monotonic()))
 
@@ -555,7 +555,7 @@ class _Exchange:
             self._count(model, status)
             return
         tokens = counter.output_tokens()
-        cached = counter.cached_tokens()
+        cached = counter.cached_tokens(ex.request.prompt_tokens)
         if self.t_first == 0.0:  # a stream with no data
             ex.failed(copy, now, Failure(Outcome.UPSTREAM_5XX, 502, "empty stream",
                                          "upstream_error", judged=False), final=True)

@@ -125,7 +125,7 @@ class Forwarder:
         ex = self.exchange_type(
             fleet.balancer,
             Request(model, req.prompt_tokens, req.max_tokens, call.priority, req.stream,
-                    ttft_header(call.request), len(call.body)),
+                    ttft_header(call.request), len(call.body), prefix=req.prefix),
             call.settings.retries, fleet.budget(model), fleet.hedger(model) if req.stream
             else None)
         try:
@@ -358,7 +358,7 @@ class Forwarder:
         tokens = counter.output_tokens()
         timed = getattr(protocol, "write_pauses", 0) == pauses
         now = time.monotonic()
-        cached = counter.cached_tokens()
+        cached = counter.cached_tokens(call.req.prompt_tokens)
         if error is None and counter.engine_error():
             # The engine ended the stream with its own error event: relayed as it
             # is, but no success. The request may have caused it: unjudged.

@@ -20,6 +20,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tailguard.core.balancer import PREFIX_BLOCK_TOKENS
+from tailguard.prompt_blocks import chat_text, prompt_blocks, text_blocks
+
+#: Characters per hashed prompt block: the core's block of tokens at four characters a token.
+BLOCK_CHARS = 4 * PREFIX_BLOCK_TOKENS
+
 CHAT = "chat"
 COMPLETIONS = "completions"
 EMBEDDINGS = "embeddings"
@@ -40,6 +46,7 @@ class RoutedRequest:
     stream: bool
     prompt_tokens: int
     max_tokens: int | None
+    prefix: tuple[int, ...] = ()  # the prompt's hashed blocks (tailguard.prompt_blocks)
 
 
 class InvalidRequest(Exception):
@@ -149,7 +156,8 @@ def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
                 raise InvalidRequest(f"'messages[{i}]' must be an object with a 'role'",
                                      "invalid_value", f"messages[{i}]")
             tokens += _content_tokens(msg.get("content")) + 3
-        return RoutedRequest(model, stream, max(tokens, 1), _max_tokens(data))
+        return RoutedRequest(model, stream, max(tokens, 1), _max_tokens(data),
+                             text_blocks(chat_text(messages), BLOCK_CHARS))
     if endpoint == COMPLETIONS:
         prompt = data.get("prompt")
         if prompt is None:
@@ -158,7 +166,8 @@ def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
         if not _valid_prompt(prompt):
             raise InvalidRequest("'prompt' must be a string, a list of strings or token ids",
                                  "invalid_value", "prompt")
-        return RoutedRequest(model, stream, max(_prompt_tokens(prompt), 1), _max_tokens(data))
+        return RoutedRequest(model, stream, max(_prompt_tokens(prompt), 1), _max_tokens(data),
+                             prompt_blocks(prompt, BLOCK_CHARS))
     # embeddings: no answer tokens, never streamed
     inp = data.get("input")
     if inp is None:

@@ -41,6 +41,9 @@ _HEAD = 512  # enough for a first event's delta
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion_tokens|predicted_n)"\s*:\s*(\d+)')
 # usage.prompt_tokens_details.cached_tokens, or llama.cpp's timings.cache_n
 _CACHED_TOKENS = re.compile(rb'"(?:cached_tokens|cache_n)"\s*:\s*(\d+)')
+# usage.prompt_tokens, or llama.cpp's timings.prompt_n (the tokens it computed beside cache_n)
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_LLAMA_PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
 _ROLE_ONLY = re.compile(
     rb'"delta"\s*:\s*\{\s*"role"\s*:\s*"[a-z]+"\s*(,\s*"content"\s*:\s*(null|"")\s*)?\}')
 _EMPTY_DELTA = re.compile(rb'"delta"\s*:\s*\{\s*("content"\s*:\s*(null|"")\s*)?\}'
@@ -54,10 +57,31 @@ def usage_completion_tokens(body: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
-def usage_cached_tokens(body: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` in ``body``, if the engine reported it."""
+def usage_cached_tokens(body: bytes, prompt_estimate: int | None = None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` in ``body``, if the engine reported it.
+
+    With ``prompt_estimate`` (the gateway's size of the prompt), the count is
+    scaled to the gateway's units by the engine's own prompt count: the core
+    compares it with the estimate, and a tokenizer that makes 1,300 tokens of
+    what the gateway sized at 1,000 would otherwise report more cached than the
+    whole prompt. Worked example: 900 cached of 1,300 prompt tokens for an
+    estimate of 1,000 is 692.
+    """
     found = _CACHED_TOKENS.findall(body)
-    return int(found[-1]) if found else None
+    if not found:
+        return None
+    cached = int(found[-1])
+    if prompt_estimate is None:
+        return cached
+    prompt = _PROMPT_TOKENS.findall(body)
+    if prompt:
+        real = int(prompt[-1])
+    else:
+        computed = _LLAMA_PROMPT_N.findall(body)  # llama.cpp: computed + cached = the prompt
+        real = int(computed[-1]) + cached if computed else 0
+    if real <= 0:
+        return min(cached, prompt_estimate)
+    return min(prompt_estimate, round(cached * prompt_estimate / real))
 
 
 class SseCounter:
@@ -97,9 +121,11 @@ class SseCounter:
         extra += len(_EMPTY_DELTA.findall(tail[-600:]))
         return max(0, self.events - extra)
 
-    def cached_tokens(self) -> int | None:
-        """Prompt tokens the engine reported served from its cache (None: not reported)."""
-        return usage_cached_tokens(self._tail)
+    def cached_tokens(self, prompt_estimate: int | None = None) -> int | None:
+        """Prompt tokens the engine reported served from its cache (None: not reported),
+        in the gateway's units when given its estimate of the prompt (see
+        :func:`usage_cached_tokens`)."""
+        return usage_cached_tokens(self._tail, prompt_estimate)
 
     def engine_error(self) -> bool:
         """Whether the stream ended with an engine's own error event."""

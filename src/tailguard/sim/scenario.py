@@ -177,11 +177,14 @@ def parse_engine(raw: Any, where: str) -> EngineConfig:
         return EngineConfig()
     m = require_mapping(raw, where)
     check_keys(m, ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                    "kv_capacity_tokens", "block_size"), where)
+                    "kv_capacity_tokens", "block_size", "enable_prefix_caching"), where)
     base = EngineConfig()
-    chunked = m.get("enable_chunked_prefill", base.enable_chunked_prefill)
-    if not isinstance(chunked, bool):
-        raise ConfigError(f"{where}.enable_chunked_prefill", "must be true or false")
+    flags = {}
+    for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
+        flags[flag] = m.get(flag, getattr(base, flag))
+        if not isinstance(flags[flag], bool):
+            raise ConfigError(f"{where}.{flag}", "must be true or false")
+    chunked = flags["enable_chunked_prefill"]
     kv = m.get("kv_capacity_tokens")
     return EngineConfig(
         max_num_seqs=integer(m, "max_num_seqs", where, base.max_num_seqs),
@@ -190,6 +193,7 @@ def parse_engine(raw: Any, where: str) -> EngineConfig:
         enable_chunked_prefill=chunked,
         kv_capacity_tokens=integer(m, "kv_capacity_tokens", where) if kv is not None else None,
         block_size=integer(m, "block_size", where, base.block_size),
+        enable_prefix_caching=flags["enable_prefix_caching"],
     )
 
 
