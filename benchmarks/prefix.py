@@ -25,9 +25,17 @@ least_request over tailguard's (targets >= 1.5 and >= 3 on mixed fleets),
 hit rate over cache_aware's (>= 0.8), and, on homogeneous fleets, tailguard's
 TTFT p99 over the best policy's (<= 1.05).
 
+Live (``--live``): emulated engines with prefix caching (a mixed fleet,
+``--live-fleet``), the gateway in front with each policy in turn (fresh
+engines, empty caches, for every policy), and ``tailguard bench --workload``'s
+generator offering the same multi-turn workload at ``--live-rate``; the hit
+rate is what the engines reported (``usage.prompt_tokens_details``).
+
     python benchmarks/prefix.py [--seed 1] [--cases 2] [--loads 1.0,1.5]
                                 [--fleets mixed,homogeneous] [--workloads multi-turn,agents,trace]
                                 [--duration 240] [--jobs 2] [--json FILE]
+    python benchmarks/prefix.py --live [--live-rate 6] [--live-duration 40]
+                                [--live-fleet H100-SXM:1,A100-80GB:1,L4:2]
 """
 
 from __future__ import annotations
@@ -145,6 +153,85 @@ def run_case(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
             "unfinished": res["unfinished"], "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+LIVE_WORKLOAD = {
+    "arrival": {"process": "poisson"},
+    "input_tokens": {"dist": "lognormal", "mu": 5.0, "sigma": 0.7, "max": 2048},
+    "output_tokens": {"dist": "uniform", "min": 16, "max": 96},
+    "prefix": {"block_tokens": 64, "tenants": 8, "system_tokens": 1200, "zipf": 1.0,
+               "turns": 5, "think_s": 6, "agents": 0.2, "agent_steps": 6, "agent_think_s": 1,
+               "tool_tokens": 200, "max_context": 12000},
+}
+
+
+async def live_one(policy: str, fleet: list[tuple[str, int]], rate: float, duration: float,
+                   warmup: float, seed: int) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from tailguard.bench import BenchConfig, LoadGenerator
+    from tailguard.bench.loadgen import summarize
+    from tailguard.core.policies import Slo
+    from tailguard.emulator import EmulatedNode, run_emulator
+    from tailguard.gateway.app import run_gateway
+    from tailguard.gateway.config import parse_fleet
+    from tailguard.sim.workload import generate, parse_workload
+
+    model = "llama-3.1-8b"
+    slo = Slo(ttft_s=1.0, tpot_s=0.1)
+    emulated = [EmulatedNode(f"{g.split('-')[0].lower()}-{i}", g, models=(model,))
+                for g, count in fleet for i in range(count)]
+    spec = parse_workload({**LIVE_WORKLOAD, "duration_s": duration,
+                           "arrival": {"process": "poisson", "rate": rate}})
+    reqs = generate(spec, None, random.Random(f"{seed}:live"))
+    async with run_emulator(emulated, host="127.0.0.1") as emu:
+        gw_fleet = parse_fleet({
+            "listen": "127.0.0.1:0",
+            "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": n.gpu, "models": [model]}
+                      for n in emulated],
+            "pools": {model: {"policy": policy,
+                              "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}},
+        })
+        async with run_gateway(gw_fleet, host="127.0.0.1", port=0) as gw:
+            gen = LoadGenerator(BenchConfig(gw.url, model=model, workload=reqs,
+                                            duration_s=duration, slo=slo, ignore_eos=True,
+                                            drain_s=30.0, label=policy))
+            await gen.run()
+    steady = [r for r in gen.records if r.arrival >= warmup]
+    res = summarize(steady, replace(gen.cfg, duration_s=duration - warmup), gen.elapsed_s)
+    gpu_of = {n.id: n.gpu for n in emulated}
+    share: dict[str, float] = {}
+    for node, info in res["per_node"].items():
+        share[gpu_of.get(node, node)] = share.get(gpu_of.get(node, node), 0.0) + info["share"]
+    return {"policy": policy, "requests": res["requests"], "attainment": res["slo_attainment"],
+            "ttft_p50": res["ttft_s"]["p50"], "ttft_p99": res["ttft_s"]["p99"],
+            "tpot_p99": res["tpot_s"]["p99"],
+            "hit_rate": res.get("prefix", {}).get("hit_rate", 0.0),
+            "failed": res["failed"], "share": share}
+
+
+def live(args: argparse.Namespace) -> None:
+    import asyncio
+
+    fleet = [(g, int(c)) for g, c in (x.split(":") for x in args.live_fleet.split(","))]
+    warmup = args.live_duration / 5
+    rows = []
+    for policy in args.policies.split(","):
+        r = asyncio.run(live_one(policy, fleet, args.live_rate, args.live_duration, warmup,
+                                 args.seed))
+        rows.append(r)
+        print(f"  {policy:14s} att {r['attainment']:.4f}  TTFT p50 {r['ttft_p50']:.3f} "
+              f"p99 {r['ttft_p99']:.3f} s  TPOT p99 {r['tpot_p99']:.3f}  hit "
+              f"{r['hit_rate']:.3f}  requests {r['requests']}  failed {r['failed']}  "
+              f"share {json.dumps({k: round(v, 2) for k, v in r['share'].items()})}",
+              flush=True)
+    by = {r["policy"]: r for r in rows}
+    if "tailguard" in by and "cache_aware" in by:
+        tg, ca = by["tailguard"], by["cache_aware"]
+        print(f"  cache_aware TTFT p99 / tailguard {ca['ttft_p99'] / max(tg['ttft_p99'], 1e-9):.2f}x;"
+              f" attainment {tg['attainment']:.4f} vs {ca['attainment']:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=1)
@@ -156,7 +243,14 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=240.0)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--live", action="store_true", help="emulated engines and the gateway")
+    ap.add_argument("--live-rate", type=float, default=6.0)
+    ap.add_argument("--live-duration", type=float, default=40.0)
+    ap.add_argument("--live-fleet", default="H100-SXM:1,A100-80GB:1,L4:2")
     a = ap.parse_args()
+    if a.live:
+        live(a)
+        return
     policies = a.policies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         jobs = []
