@@ -55,7 +55,7 @@ from tailguard.sim.scenario import parse_scenario
 from tailguard.sim.sessions import PrefixSpec, generate_sessions
 from tailguard.sim.workload import MOONCAKE_BLOCK_TOKENS, parse_length_dist
 
-POLICIES = ("tailguard", "cache_aware", "least_request", "round_robin")
+POLICIES = ("tailguard", "cache_aware", "least_request", "round_robin", "consistent_hash")
 MIXED = ("H100-SXM", "A100-80GB", "L40S", "L4", "T4")
 HOMOGENEOUS = ("H100-SXM", "A100-80GB", "L40S")
 MESSAGE = {"dist": "lognormal", "mu": 5.5, "sigma": 0.8, "max": 4096}

@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from tailguard.core.balancer import Balancer, PoolConfig
-from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.prefix import PrefixIndex
 from tailguard.core.replay import replay
@@ -124,7 +124,7 @@ def test_cache_aware_follows_its_tree_until_the_load_is_unbalanced() -> None:
 
 
 def test_a_recording_with_prefixes_replays_identically() -> None:
-    for policy in ("tailguard", "cache_aware"):
+    for policy in ("tailguard", "cache_aware", "consistent_hash"):
         log: list[dict[str, Any]] = []
         b = _balancer(policy, ["H100", "A100", "L4"], log)
         rng = random.Random(3)
@@ -133,8 +133,9 @@ def test_a_recording_with_prefixes_replays_identically() -> None:
         now = 0.0
         for _ in range(300):
             now += rng.expovariate(10.0)
-            conv = rng.choice(sessions)
-            t = b.pick(MODEL, len(conv) * BT + 50, now, prefix=conv)
+            s = rng.randrange(len(sessions))
+            conv = sessions[s]
+            t = b.pick(MODEL, len(conv) * BT + 50, now, prefix=conv, session=f"s{s}")
             if t is not None:
                 open_tickets.append(t)
             if open_tickets and rng.random() < 0.7:
@@ -143,7 +144,30 @@ def test_a_recording_with_prefixes_replays_identically() -> None:
                 b.on_finish(t, now + 0.5, Outcome.OK, 64,
                             cached_tokens=rng.randint(0, t.hit_blocks) * BT)
         records = [json.loads(json.dumps(r)) for r in log]
-        assert any("prefix" in r for r in records)
+        assert any("prefix" in r for r in records) and any("session" in r for r in records)
         res = replay(records)
         assert res.decisions >= 300
         assert res.differences == [], (policy, res.differences[:3])
+
+
+def test_consistent_hash_keeps_a_session_on_its_node_and_moves_only_a_lost_nodes() -> None:
+    b = _balancer("consistent_hash", ["A100", "A100", "A100", "A100"])
+    home = {}
+    for s in range(200):
+        t = b.pick(MODEL, 100, 0.0, session=f"user-{s}")
+        assert t is not None
+        home[s] = t.node_id
+        assert b.pick(MODEL, 100, 0.0, session=f"user-{s}").node_id == t.node_id  # type: ignore[union-attr]
+    assert len(set(home.values())) == 4  # the ring spreads sessions over every node
+    b.set_state("n2", NodeState.CORDONED)
+    for s in range(200):
+        moved = b.pick(MODEL, 100, 0.0, session=f"user-{s}")
+        assert moved is not None
+        if home[s] != "n2":
+            assert moved.node_id == home[s]  # only n2's sessions move
+        else:
+            assert moved.node_id != "n2"
+    # Without a session key: the prompt's first block, else the least loaded node.
+    first = b.pick(MODEL, 100, 0.0, prefix=(42, 43))
+    assert first is not None
+    assert b.pick(MODEL, 100, 0.0, prefix=(42, 99)).node_id == first.node_id  # type: ignore[union-attr]

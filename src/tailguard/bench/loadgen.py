@@ -71,6 +71,7 @@ from tailguard.sim.results import summary
 from tailguard.sim.workload import FixedLength, LengthDist, Requests
 
 NODE_HEADER = "x-tailguard-node"
+SESSION_HEADER = "x-session-id"
 DIRECT = "direct"
 OK = "ok"
 
@@ -116,11 +117,13 @@ class Record:
     """What happened to one request (times in seconds from the run's start)."""
 
     __slots__ = ("arrival", "blocks", "cached", "end", "error", "first", "input", "max_tokens",
-                 "node", "prompt_reported", "salt", "status", "target", "tokens")
+                 "node", "prompt_reported", "salt", "session", "status", "target", "tokens")
 
     def __init__(self, arrival: float, n_in: int, n_out: int,
-                 blocks: tuple[int, ...] | None = None, salt: int = 0) -> None:
+                 blocks: tuple[int, ...] | None = None, salt: int = 0,
+                 session: int | None = None) -> None:
         self.arrival = arrival
+        self.session = session  # sent as x-session-id (session affinity)
         self.blocks = blocks  # its prompt's blocks, when the workload shares prefixes
         self.salt = salt
         self.cached = -1  # prompt tokens the server reported cached (-1: not reported)
@@ -240,8 +243,10 @@ class LoadGenerator:
             url = urls[rec.target]
             self._turn += 1
         try:
-            async with self._session.post(url, data=self._body(rec),
-                                          headers=self.headers) as resp:
+            headers = self.headers
+            if rec.session is not None:
+                headers = {**headers, SESSION_HEADER: str(rec.session)}
+            async with self._session.post(url, data=self._body(rec), headers=headers) as resp:
                 rec.status = resp.status
                 rec.node = resp.headers.get(NODE_HEADER, DIRECT)
                 if resp.status != 200:
@@ -351,6 +356,7 @@ class LoadGenerator:
         assert wl is not None
         limit = self.cfg.max_requests if self.cfg.max_requests is not None else len(wl)
         blocks = wl.blocks
+        sessions = wl.session
         for i in range(min(limit, len(wl))):
             t = wl.arrival_s[i]
             if t >= self.cfg.duration_s:
@@ -359,7 +365,8 @@ class LoadGenerator:
             if delay > 0:
                 await asyncio.sleep(delay)
             self._launch(Record(t, wl.input_tokens[i], wl.output_tokens[i],
-                                blocks[i] if blocks is not None else None, i))
+                                blocks[i] if blocks is not None else None, i,
+                                sessions[i] if sessions is not None else None))
 
     async def _closed_loop(self, rng: random.Random) -> None:
         cfg = self.cfg

@@ -88,12 +88,12 @@ class Waiter:
     """A queued request: what the balancer needs to place it later, plus the driver's data."""
 
     __slots__ = ("arrival", "deadline", "exclude", "max_tokens", "model", "payload", "prefix",
-                 "priority", "prompt_tokens", "seq", "size_bytes", "state", "wid")
+                 "priority", "prompt_tokens", "seq", "session", "size_bytes", "state", "wid")
 
     def __init__(self, model: str, prompt_tokens: int, max_tokens: int | None, priority: int,
                  arrival: float, deadline: float, size_bytes: int = 0,
                  exclude: Sequence[str] = (), payload: Any = None, wid: int = 0,
-                 prefix: Sequence[int] = ()) -> None:
+                 prefix: Sequence[int] = (), session: str | None = None) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -104,6 +104,7 @@ class Waiter:
         self.exclude = tuple(exclude)
         self.payload = payload
         self.prefix = prefix  # the prompt's hashed blocks
+        self.session = session  # the client's session key
         self.seq = 0
         self.wid = wid  # the balancer's sequence number: names it in recordings
         self.state = "queued"  # queued | dispatched | shed | cancelled

@@ -349,11 +349,13 @@ class Balancer:
         priority: int = 1,
         exclude: Sequence[str] = (),
         prefix: Sequence[int] = (),
+        session: str | None = None,
     ) -> Ticket | None:
         """Choose a node and take a permit on it; None if no node can take it.
 
         ``prefix``: the hashes of the prompt's blocks (the pool's
-        ``prefix_block_tokens`` each, chained), for prefix-cache affinity."""
+        ``prefix_block_tokens`` each, chained), for prefix-cache affinity;
+        ``session``: the client's session key, for session affinity."""
         self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None:
@@ -368,7 +370,7 @@ class Balancer:
         hits = pool.index().match(prefix) if prefix else {}
         req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
                           priority, self._cached(pool, hits), prefix,
-                          pool.config.prefix_block_tokens)
+                          pool.config.prefix_block_tokens, session)
         node_id = None
         if self.outliers is not None and self.outliers.on_probation:
             node_id = self.outliers.canary(nodes, self.rng)  # a canary request
@@ -382,6 +384,8 @@ class Balancer:
                    "node": node_id, "ticket": self._ticket_seq if node_id is not None else None}
             if prefix:
                 rec["prefix"] = list(prefix)
+            if session is not None:
+                rec["session"] = session
             self.recorder(rec)
         if node_id is None:
             return None
@@ -400,7 +404,7 @@ class Balancer:
 
     def rank(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None = None,
              priority: int = 1, exclude: Sequence[str] = (), n: int = 1,
-             prefix: Sequence[int] = ()) -> list[str]:
+             prefix: Sequence[int] = (), session: str | None = None) -> list[str]:
         """The nodes :meth:`pick` would choose now, best first, up to ``n``, taking no
         permit: an ordered fallback list (the endpoint picker hands it to the data
         plane, whose retries walk it; :meth:`take` then accounts for the one used)."""
@@ -412,7 +416,7 @@ class Balancer:
             hits = pool.index().match(prefix) if prefix else {}
             req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output,
                               pool.mean_prompt, priority, self._cached(pool, hits), prefix,
-                              pool.config.prefix_block_tokens)
+                              pool.config.prefix_block_tokens, session)
             # A copy chooses: a stateful policy (round robin's turn) must not move on
             # for choices that send nothing.
             policy = copy.copy(pool.policy)
@@ -428,6 +432,8 @@ class Balancer:
                    "n": n, "nodes": out}
             if prefix:
                 rec["prefix"] = list(prefix)
+            if session is not None:
+                rec["session"] = session
             self.recorder(rec)
         return out
 
@@ -702,6 +708,7 @@ class Balancer:
         size_bytes: int = 0,
         payload: Any = None,
         prefix: Sequence[int] = (),
+        session: str | None = None,
     ) -> Ticket | Waiter | Shed | None:
         """Admit a request: a Ticket (dispatched now), a Waiter (queued), a Shed
         (answer 429 now) or None (no routable node: as :meth:`pick`).
@@ -715,7 +722,7 @@ class Balancer:
         self._quiet += 1  # the picks inside are part of this decision's record
         try:
             got = self._admit(model, prompt_tokens, now, max_tokens, priority, exclude, ttft_s,
-                              size_bytes, payload, prefix)
+                              size_bytes, payload, prefix, session)
         finally:
             self._quiet -= 1
         if self.recorder is not None:
@@ -724,16 +731,20 @@ class Balancer:
                    "ttft_s": ttft_s, "size_bytes": size_bytes, "result": decision_dict(got)}
             if prefix:
                 rec["prefix"] = list(prefix)
+            if session is not None:
+                rec["session"] = session
             self.recorder(rec)
         return got
 
     def _admit(self, model: str, prompt_tokens: int, now: float, max_tokens: int | None,
                priority: int, exclude: Sequence[str], ttft_s: float | None, size_bytes: int,
-               payload: Any, prefix: Sequence[int]) -> Ticket | Waiter | Shed | None:
+               payload: Any, prefix: Sequence[int],
+               session: str | None) -> Ticket | Waiter | Shed | None:
         self._settle_presumed(now)
         pool = self.pools.get(model)
         if pool is None or not pool.limited:
-            return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude, prefix)
+            return self.pick(model, prompt_tokens, now, max_tokens, priority, exclude, prefix,
+                             session)
         queue = pool.queue
         if queue is not None:
             queue.on_arrival(min(max(priority, 0), 2), now)
@@ -743,7 +754,8 @@ class Balancer:
         if queue is None or sum(queue.by_priority[: min(max(priority, 0), 2) + 1]) == 0:
             avoid = exclude if queue is None else self._unsuitable(
                 pool, prompt_tokens, priority, deadline - now, exclude, now)
-            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, avoid, prefix)
+            ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, avoid, prefix,
+                               session)
             if ticket is not None:
                 return ticket
         if not any(n.id not in exclude for n in pool.eligible()):
@@ -752,7 +764,7 @@ class Balancer:
             return Shed("no_capacity", 1.0)
         self._waiter_seq += 1
         waiter = Waiter(model, prompt_tokens, max_tokens, priority, now, deadline, size_bytes,
-                        exclude, payload, self._waiter_seq, prefix)
+                        exclude, payload, self._waiter_seq, prefix, session)
         shed, displaced = queue.offer(waiter, now)
         for w in displaced:
             self._queue_decisions.append((w, Shed("displaced", queue.retry_after(now))))
@@ -803,7 +815,7 @@ class Balancer:
             self._quiet += 1  # recorded with the decision, by poll_queue
             try:
                 ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid,
-                                   w.prefix)
+                                   w.prefix, w.session)
             finally:
                 self._quiet -= 1
             if ticket is None:

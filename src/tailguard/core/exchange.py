@@ -120,7 +120,7 @@ class Exchange:
         if pool is not None and pool.limited:
             got = b.admit(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude,
                           ttft_s=r.ttft_s, size_bytes=r.size_bytes, payload=self,
-                          prefix=r.prefix)
+                          prefix=r.prefix, session=r.session)
             if isinstance(got, Waiter):
                 self.waiter = got
                 return (Queue(got),)
@@ -128,7 +128,7 @@ class Exchange:
                 return self._refuse(got)
         else:
             got = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority, r.exclude,
-                         r.prefix)
+                         r.prefix, r.session)
         if got is None:
             return self._no_capacity()
         return (self._dispatch(got, now, None, False),)
@@ -175,7 +175,7 @@ class Exchange:
             return NONE
         r = self.request
         ticket = self.balancer.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                                    self._avoid(), r.prefix)  # a node not tried yet
+                                    self._avoid(), r.prefix, r.session)  # a node not tried yet
         if ticket is None:
             h.refund()
             return NONE
@@ -215,7 +215,7 @@ class Exchange:
         r = self.request
         if not final and self.attempts < self.retries.attempts and self.budget.try_spend(now):
             ticket = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                            self._avoid(), r.prefix)
+                            self._avoid(), r.prefix, r.session)
             if ticket is not None:
                 return (self._dispatch(ticket, now, failure.origin, False),)
         return self._fail(failure, copy.node_id, False)
@@ -229,7 +229,7 @@ class Exchange:
         if n <= 0 or not self.budget.can_spend(now):
             return []
         return self.balancer.rank(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
-                                  self._avoid(), n, r.prefix)
+                                  self._avoid(), n, r.prefix, r.session)
 
     def redirected(self, copy: Copy, node_id: str, now: float,
                    failure: Failure) -> tuple[Action, ...]:

@@ -32,6 +32,7 @@ class Request(NamedTuple):
     size_bytes: int = 0  # the body's size, for the queue's byte cap
     exclude: tuple[str, ...] = ()  # nodes it must not go to (outside a data plane's subset)
     prefix: tuple[int, ...] = ()  # the prompt's hashed blocks (prefix-cache affinity)
+    session: str | None = None  # the client's session key (session affinity)
 
 
 @dataclass(frozen=True, slots=True)

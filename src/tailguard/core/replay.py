@@ -78,7 +78,8 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
         elif op == "pick":
             ticket = balancer.pick(rec["model"], rec["prompt_tokens"], rec["t"],
                                    rec.get("max_tokens"), rec.get("priority", 1),
-                                   tuple(rec.get("exclude", ())), tuple(rec.get("prefix", ())))
+                                   tuple(rec.get("exclude", ())), tuple(rec.get("prefix", ())),
+                                   rec.get("session"))
             out.decisions += 1
             got = ticket.node_id if ticket is not None else None
             if got != rec["node"]:
@@ -90,7 +91,7 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
             ranked = balancer.rank(rec["model"], rec["prompt_tokens"], rec["t"],
                                    rec.get("max_tokens"), rec.get("priority", 1),
                                    tuple(rec.get("exclude", ())), rec.get("n", 1),
-                                   tuple(rec.get("prefix", ())))
+                                   tuple(rec.get("prefix", ())), rec.get("session"))
             out.decisions += 1
             if ranked != rec["nodes"]:
                 out.differences.append({"record": i, "op": "rank", "t": rec["t"],
@@ -104,7 +105,8 @@ def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG
             admitted = balancer.admit(rec["model"], rec["prompt_tokens"], rec["t"],
                                  rec.get("max_tokens"), rec.get("priority", 1),
                                  tuple(rec.get("exclude", ())), rec.get("ttft_s"),
-                                 rec.get("size_bytes", 0), prefix=tuple(rec.get("prefix", ())))
+                                 rec.get("size_bytes", 0), prefix=tuple(rec.get("prefix", ())),
+                                 session=rec.get("session"))
             out.decisions += 1
             replayed = decision_dict(admitted)
             if replayed != rec["result"]:

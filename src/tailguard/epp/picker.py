@@ -91,7 +91,13 @@ from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_body
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import CLIENT_CLOSED
 from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
-from tailguard.gateway.openai_request import PATHS, InvalidRequest, parse_request
+from tailguard.gateway.openai_request import (
+    PATHS,
+    SESSION_HEADER,
+    InvalidRequest,
+    parse_request,
+    session_key,
+)
 from tailguard.gateway.proxy import PRIORITY_HEADER, bearer_ok, priority_of
 from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 
@@ -319,7 +325,8 @@ class _Exchange:
         self.ex = picker.exchange_type(
             fleet.balancer,
             Request(req.model, req.prompt_tokens, req.max_tokens, self._priority(), req.stream,
-                    ttft_budget(h.get(TTFT_HEADER)), len(body), exclude, req.prefix),
+                    ttft_budget(h.get(TTFT_HEADER)), len(body), exclude, req.prefix,
+                    session_key(h.get(SESSION_HEADER), req)),
             settings.retries, fleet.budget(req.model), None)
         return self._carry_out(self.ex.arrive(time.monotonic()))
 

@@ -62,7 +62,7 @@ from tailguard.gateway.idle import IdleTimeout
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.logs import CLIENT_CLOSED, note
 from tailguard.gateway.metrics import GatewayMetrics
-from tailguard.gateway.openai_request import PATHS, RoutedRequest
+from tailguard.gateway.openai_request import PATHS, SESSION_HEADER, RoutedRequest, session_key
 from tailguard.gateway.race import Answer, Race, cancel_losers
 from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 from tailguard.gateway.upstream import (
@@ -125,7 +125,8 @@ class Forwarder:
         ex = self.exchange_type(
             fleet.balancer,
             Request(model, req.prompt_tokens, req.max_tokens, call.priority, req.stream,
-                    ttft_header(call.request), len(call.body), prefix=req.prefix),
+                    ttft_header(call.request), len(call.body), prefix=req.prefix,
+                    session=session_key(call.request.headers.get(SESSION_HEADER), req)),
             call.settings.retries, fleet.budget(model), fleet.hedger(model) if req.stream
             else None)
         try:

@@ -25,6 +25,13 @@ from tailguard.prompt_blocks import chat_text, prompt_blocks, text_blocks
 
 #: Characters per hashed prompt block: the core's block of tokens at four characters a token.
 BLOCK_CHARS = 4 * PREFIX_BLOCK_TOKENS
+#: A client's session key for session affinity (else the body's OpenAI ``user`` field).
+SESSION_HEADER = "x-session-id"
+
+
+def session_key(header: str | None, req: RoutedRequest) -> str | None:
+    """The session a request belongs to: its header, else the body's ``user``."""
+    return header if header else req.session
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -47,6 +54,7 @@ class RoutedRequest:
     prompt_tokens: int
     max_tokens: int | None
     prefix: tuple[int, ...] = ()  # the prompt's hashed blocks (tailguard.prompt_blocks)
+    session: str | None = None  # the body's ``user`` (OpenAI's end-user id)
 
 
 class InvalidRequest(Exception):
@@ -120,6 +128,11 @@ def _max_tokens(data: dict[str, Any]) -> int | None:
     return value
 
 
+def _user(data: dict[str, Any]) -> str | None:
+    user = data.get("user")
+    return user if isinstance(user, str) and user else None
+
+
 def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
     """Check ``body`` for ``endpoint`` and size it; raises :class:`InvalidRequest`."""
     try:
@@ -157,7 +170,7 @@ def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
                                      "invalid_value", f"messages[{i}]")
             tokens += _content_tokens(msg.get("content")) + 3
         return RoutedRequest(model, stream, max(tokens, 1), _max_tokens(data),
-                             text_blocks(chat_text(messages), BLOCK_CHARS))
+                             text_blocks(chat_text(messages), BLOCK_CHARS), _user(data))
     if endpoint == COMPLETIONS:
         prompt = data.get("prompt")
         if prompt is None:
@@ -167,7 +180,7 @@ def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
             raise InvalidRequest("'prompt' must be a string, a list of strings or token ids",
                                  "invalid_value", "prompt")
         return RoutedRequest(model, stream, max(_prompt_tokens(prompt), 1), _max_tokens(data),
-                             prompt_blocks(prompt, BLOCK_CHARS))
+                             prompt_blocks(prompt, BLOCK_CHARS), _user(data))
     # embeddings: no answer tokens, never streamed
     inp = data.get("input")
     if inp is None:

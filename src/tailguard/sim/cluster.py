@@ -141,11 +141,13 @@ def run_cluster(
     gpu_telemetry: bool = False,
     blocks: Sequence[tuple[int, ...]] | None = None,
     block_tokens: int = 0,
+    sessions: Sequence[int] | None = None,
 ) -> RunRecord:
     """Simulate one policy on one fleet for one request list; return per-request outcomes.
 
     ``blocks``: each request's hashed ``block_tokens``-token blocks (prompt, then
-    answer), for the engines' prefix caches and the router's prefix index."""
+    answer), for the engines' prefix caches and the router's prefix index;
+    ``sessions``: each request's session (its key for session affinity)."""
     pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
                       admission=admission)
     if blocks is not None:
@@ -160,7 +162,7 @@ def run_cluster(
                      limited=limits is not None or admission is not None,
                      priorities=priorities, retries=retries or RetryConfig(),
                      exchange_type=exchange_type, gpu_telemetry=gpu_telemetry,
-                     blocks=blocks, block_tokens=block_tokens)
+                     blocks=blocks, block_tokens=block_tokens, sessions=sessions)
     return sim.run(horizon_s, tick_s, progress)
 
 
@@ -173,8 +175,9 @@ class ClusterSim:
                  hedger: Hedger | None, limited: bool, priorities: Sequence[int] | None,
                  retries: RetryConfig, exchange_type: type[Exchange],
                  gpu_telemetry: bool = False, blocks: Sequence[tuple[int, ...]] | None = None,
-                 block_tokens: int = 0) -> None:
+                 block_tokens: int = 0, sessions: Sequence[int] | None = None) -> None:
         n = len(arrivals)
+        self.sessions = sessions
         self.blocks = blocks
         self.bt = block_tokens
         self.gpu_telemetry = gpu_telemetry
@@ -341,9 +344,10 @@ class ClusterSim:
         prefix: tuple[int, ...] = ()
         if self.blocks is not None:  # what a gateway hashes: the prompt's blocks
             prefix = self.blocks[rid][: rec.prompt[rid] // self.bt]
+        session = str(self.sessions[rid]) if self.sessions is not None else None
         ex = self.exchange_type(self.balancer,
                                 Request(self.model, rec.prompt[rid], None, self.prio[rid],
-                                        prefix=prefix),
+                                        prefix=prefix, session=session),
                                 self.retries, self.budget, self.hedger, rid)
         self.exchanges[rid] = ex
         self._do(ex, ex.arrive(now), now)

@@ -7,6 +7,7 @@ from typing import Any
 
 from tailguard.core.policies.base import Policy, RequestInfo, Slo
 from tailguard.core.policies.cache_aware import CacheAware
+from tailguard.core.policies.consistent_hash import ConsistentHash
 from tailguard.core.policies.least_request import LeastRequest
 from tailguard.core.policies.p2c import PowerOfTwo
 from tailguard.core.policies.peak_ewma import PeakEwmaP2C
@@ -27,6 +28,7 @@ REGISTRY: dict[str, type[Any]] = {
         SeedWeighted,
         TailguardPolicy,
         CacheAware,
+        ConsistentHash,
     )
 }
 

@@ -34,7 +34,8 @@ class RequestInfo:
     statistics (the gateway does not know how long an answer will be);
     ``max_tokens`` is the client's cap when it gave one. ``cached`` maps the
     nodes that probably hold a prefix of the prompt in their cache to the prompt
-    tokens they would not prefill; ``prefix`` is the prompt's block hashes.
+    tokens they would not prefill; ``prefix`` is the prompt's block hashes;
+    ``session`` the client's session key (``x-session-id``, or OpenAI's ``user``).
     """
 
     model: str
@@ -46,6 +47,7 @@ class RequestInfo:
     cached: Mapping[str, int] = field(default_factory=dict)
     prefix: Sequence[int] = ()
     block_tokens: int = 0  # tokens per hash of ``prefix``
+    session: str | None = None  # the client's session key, for session affinity
 
 
 class Policy(Protocol):
