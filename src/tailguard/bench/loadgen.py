@@ -17,9 +17,13 @@ Two ways to offer load:
 Prompt and answer lengths are drawn from the simulator's length
 distributions (:mod:`tailguard.sim.workload`) with a seeded generator, so
 ``tailguard sim`` and ``tailguard bench`` can offer the same workload. A
-prompt of ``n`` tokens is ``n - 3`` repetitions of ``" tok"``: about one BPE
-token each for a real tokenizer, and exactly ``n`` for the emulator's
-4-characters-per-token estimate (which adds 3 tokens of message framing).
+prompt of ``n`` tokens is a word unique to the request and ``n - 4``
+repetitions of ``" tok"``: about one BPE token each for a real tokenizer, and
+about ``n`` for the emulator's 4-characters-per-token estimate (which adds 3
+tokens of message framing). The unique word comes first so that no two
+prompts share a prefix: an engine's prefix cache (and the gateway's prefix
+routing) would otherwise serve every prompt from the first one's KV, which is
+not the independent traffic these workloads stand for.
 
 What is measured per request, on the loop clock:
 
@@ -209,6 +213,7 @@ class LoadGenerator:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.elapsed_s = 0.0
+        self._seq = 0  # makes every independent prompt unique (see the module docstring)
         wl = cfg.workload
         self._texts = BlockText(wl.block_tokens) if wl is not None and wl.blocks else None
 
@@ -220,12 +225,13 @@ class LoadGenerator:
         if rec.blocks is not None and self._texts is not None:
             text = self._texts.prompt(rec.blocks, max(1, n_in - 3), rec.salt)
         else:
-            text = " tok" * max(1, n_in - 3)
+            self._seq += 1
+            text = f" r{self._seq:x}" + " tok" * max(0, n_in - 4)
         body: dict[str, Any] = {"model": self.model, "max_tokens": n_out, "stream": cfg.stream}
         if cfg.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": text}]
         else:
-            body["prompt"] = text if rec.blocks is not None else " tok" * n_in
+            body["prompt"] = text if rec.blocks is not None else text + " tok" * 3
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}
         if cfg.ignore_eos:
