@@ -66,6 +66,24 @@ def _per_gpu_table(doc: dict[str, Any]) -> Table:
     return table
 
 
+def _prefix_table(doc: dict[str, Any]) -> Table | None:
+    """Prefix-cache use per policy, for workloads with shared prefixes."""
+    if not any("prefix" in r for r in doc["results"].values()):
+        return None
+    table = Table(title="prefix caches (prompt tokens the engines served from cache)")
+    for col in ("policy", "hit rate", "requests hit", "prefill saved", "prefill done",
+                "TTFT p99 cached", "TTFT p99 uncached"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, r in doc["results"].items():
+        p = r.get("prefix")
+        if p is None:
+            continue
+        table.add_row(name, _fmt(p["hit_rate"]), _fmt(p["requests_hit"]),
+                      f"{p['prefill_tokens_saved']:,}", f"{p['prefill_tokens']:,}",
+                      _fmt(p["ttft_cached_s"]["p99"]), _fmt(p["ttft_uncached_s"]["p99"]))
+    return table
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from tailguard.sim.run import RunOptions, simulate
     from tailguard.sim.scenario import load_scenario, parse_policies
@@ -98,6 +116,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     out = Console() if Console().is_terminal else Console(width=160)
     out.print(_sim_table(doc))
     out.print(_per_gpu_table(doc))
+    prefix = _prefix_table(doc)
+    if prefix is not None:
+        out.print(prefix)
     from tailguard.sim.stragglers import straggler_table
 
     strag = straggler_table(doc)

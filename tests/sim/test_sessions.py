@@ -99,3 +99,20 @@ def test_a_simulated_run_reports_prefix_cache_use() -> None:
     assert res["tailguard"]["prefix"]["hit_rate"] > 1.2 * res["round_robin"]["prefix"]["hit_rate"]
     assert res["tailguard"]["prefix"]["hit_rate"] >= 0.8 * res["cache_aware"]["prefix"]["hit_rate"]
     assert res["tailguard"]["ttft_s"]["p99"] < res["cache_aware"]["ttft_s"]["p99"]
+
+
+def test_the_cli_and_the_report_show_prefix_cache_use(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from tailguard.cli import main
+
+    scenario = tmp_path / "s.json"  # YAML's superset: JSON reads as a scenario too
+    scenario.write_text(json.dumps({
+        "name": "p", "seed": 3, "model": "llama-3.1-8b",
+        "fleet": [{"gpu": "H100-SXM", "count": 1}, {"gpu": "L4", "count": 1}],
+        "workload": {**_workload(), "duration_s": 40, "warmup_s": 10},
+        "policies": ["tailguard", "cache_aware"]}))
+    report = tmp_path / "r.html"
+    assert main(["sim", str(scenario), "--report", str(report), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "prefix caches" in out and "hit rate" in out
+    assert "Prefix caches" in report.read_text()

@@ -213,6 +213,25 @@ def _results_table(doc: Mapping[str, Any]) -> str:
             + "".join(rows) + "</table>")
 
 
+def _prefix_table(doc: Mapping[str, Any]) -> str:
+    """Prefix-cache use per policy ("" without shared prefixes)."""
+    rows = []
+    for name, r in doc["results"].items():
+        p = r.get("prefix")
+        if p is None:
+            continue
+        cells = (name, f"{p['hit_rate']:.3f}", f"{p['requests_hit']:.3f}",
+                 f"{p['prefill_tokens_saved']:,}", f"{p['prefill_tokens']:,}",
+                 f"{p['ttft_cached_s']['p99']:.3f}", f"{p['ttft_uncached_s']['p99']:.3f}")
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return ""
+    head = ("policy", "hit rate", "requests hit", "prefill saved", "prefill done",
+            "TTFT p99 cached", "TTFT p99 uncached")
+    return ("<h2>Prefix caches</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in head)
+            + "</tr>" + "".join(rows) + "</table>")
+
+
 def _sweep_table(sweep: Sequence[Mapping[str, Any]]) -> str:
     names = list(sweep[0]["results"]) if sweep else []
     head = "<tr><th>load</th><th>offered/s</th>" + "".join(
@@ -230,7 +249,7 @@ def render_report(doc: Mapping[str, Any], records: Mapping[str, RunRecord], *,
     """The HTML page, and its figures as base64 PNGs by name (for saving on their own)."""
     slo = doc["slo"]
     figures: dict[str, str] = {}
-    sections: list[str] = [f"<h2>Results</h2>{_results_table(doc)}"]
+    sections: list[str] = [f"<h2>Results</h2>{_results_table(doc)}{_prefix_table(doc)}"]
     if records:
         figures["latency_cdf"] = _png(cdf_figure(records, warmup_s, duration_s,
                                                  slo["ttft_s"], slo["tpot_s"]))
