@@ -10,7 +10,9 @@ they report (``usage.prompt_tokens_details.cached_tokens``):
 * sending a prompt to a node inserts its blocks there (the engine caches
   what it computes), most recently used at the chain's head, as the engine
   frees a request's blocks tail first;
-* a node that reports fewer cached tokens than predicted had evicted them:
+* a node that reports fewer cached tokens than predicted (by more than one
+  block: the gateway's text blocks and the engine's token blocks do not
+  align, so a match may read one block short) had evicted them:
   its estimated cache shrinks to what the index held there, times
   ``shrink`` (the engine's free KV is smaller than assumed, usually because it
   is busy); a node that reports at least the prediction grows it back by
@@ -120,7 +122,7 @@ class PrefixIndex:
         cap = self._cap.get(node)
         if cap is None:
             return
-        if found < predicted:
+        if found < predicted - 1:
             held = len(self._lru.get(node, ()))
             self._cap[node] = max(float(_MIN_BLOCKS), min(cap, held * self.shrink))
         elif predicted > 0:
