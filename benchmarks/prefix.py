@@ -50,6 +50,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tailguard.errors import ConfigError
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import parse_scenario
 from tailguard.sim.sessions import PrefixSpec, generate_sessions
@@ -140,7 +141,11 @@ def run_case(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
     raw, policy = args
     scn = parse_scenario(raw)
     t0 = time.perf_counter()
-    out = simulate(scn, [p for p in scn.policies if p.label == policy])
+    try:
+        out = simulate(scn, [p for p in scn.policies if p.label == policy])
+    except ConfigError as exc:  # e.g. a fleet with no SLO capacity for the workload
+        return {"name": raw["name"], "load": raw["workload"]["arrival"]["load"],
+                "policy": policy, "fleet": raw["fleet"], "error": str(exc)}
     res = out["results"][policy]
     pre = res.get("prefix", {})
     return {"name": raw["name"], "load": raw["workload"]["arrival"]["load"], "policy": policy,
@@ -269,6 +274,10 @@ def main() -> None:
     verdicts = []
     for (name, load), got in by_case.items():
         fleet = " ".join(f"{g['count']}x{g['gpu']}" for g in next(iter(got.values()))["fleet"])
+        errors = {r["error"] for r in got.values() if "error" in r}
+        if errors:
+            print(f"\n{name} load {load} ({fleet}): not run: {'; '.join(sorted(errors))}")
+            continue
         print(f"\n{name} load {load} ({fleet}), {next(iter(got.values()))['offered_rps']:.1f} "
               "req/s")
         for p, r in got.items():

@@ -13,8 +13,13 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str, allowed: list[str] | None = None) -> None:
         self.field = field
+        self.message = message
         self.allowed = allowed
         text = f"{field}: {message}" if field else message
         if allowed:
             text += f" (allowed: {', '.join(allowed)})"
         super().__init__(text)
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, list[str] | None]]:
+        # Picklable with its own arguments (a process pool sends errors back).
+        return (type(self), (self.field, self.message, self.allowed))
