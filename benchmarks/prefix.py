@@ -87,7 +87,7 @@ def draw_prefix(rng: random.Random, workload: str) -> dict[str, Any]:
         "agent_steps": round(rng.uniform(4.0, 12.0), 1),
         "agent_think_s": round(rng.uniform(0.5, 3.0), 1),
         "tool_tokens": rng.randint(100, 800),
-        "max_context": 24000,
+        "max_context": 12000,
     }
 
 
