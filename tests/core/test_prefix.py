@@ -174,3 +174,20 @@ def test_consistent_hash_keeps_a_session_on_its_node_and_moves_only_a_lost_nodes
     first = b.pick(MODEL, 100, 0.0, prefix=(42, 43))
     assert first is not None
     assert b.pick(MODEL, 100, 0.0, prefix=(42, 99)).node_id == first.node_id  # type: ignore[union-attr]
+
+
+def test_the_index_follows_the_fleet() -> None:
+    b = _balancer("tailguard", ["A100", "A100"])
+    conv = _chain(1, 30)
+    t = b.pick(MODEL, 30 * BT + 10, 0.0, prefix=conv)
+    assert t is not None
+    home = t.node_id
+    index = b.pools[MODEL].index()
+    b.replace_pool(PoolConfig(MODEL, "tailguard", prefix_block_tokens=BT))  # a reload
+    assert b.pools[MODEL].prefix is index and index.match(conv) == {home: 30}
+    b.set_state(home, NodeState.DOWN)  # a crashed engine comes back with an empty cache
+    assert index.match(conv) == {}
+    b.add_node(NodeSpec("n9", DEFAULT_CATALOG.gpu("H100"), "H100", models=(MODEL,)))
+    assert 0 < index.capacity("n9") <= DEFAULT_CATALOG.gpu("H100").mem_gb * 1e9
+    b.remove_node("n9")
+    assert index.blocks_at("n9") == 0

@@ -275,6 +275,8 @@ class Balancer:
             pool.nodes = old.nodes
             pool.mean_prompt = old.mean_prompt
             pool.mean_output = old.mean_output
+            if old.prefix is not None and old.prefix.block_tokens == config.prefix_block_tokens:
+                pool.prefix = old.prefix  # the engines' caches did not change
             pool.invalidate()
             self._carry_admission(old, pool)
         return pool
@@ -313,6 +315,8 @@ class Balancer:
                 pool = self.add_pool(PoolConfig(name))
             pool.nodes.append(node)
             pool.invalidate()
+            if pool.prefix is not None:
+                pool.prefix.set_kv(node.id, node.perf.kv_capacity_tokens)
         self._attach_limiter(node)
         return node
 
@@ -326,6 +330,8 @@ class Balancer:
             if node in pool.nodes:
                 pool.nodes.remove(node)
                 pool.invalidate()
+            if pool.prefix is not None:
+                pool.prefix.forget(node_id)
 
     def set_state(self, node_id: str, state: NodeState) -> None:
         node = self.nodes[node_id]
@@ -337,6 +343,8 @@ class Balancer:
         for pool in self.pools.values():
             if node in pool.nodes:
                 pool.invalidate()
+                if state is NodeState.DOWN and pool.prefix is not None:
+                    pool.prefix.forget(node_id)  # a restarted engine's cache is empty
 
     # -- the request path ------------------------------------------------------
 
@@ -453,6 +461,9 @@ class Balancer:
                 rec["prefix"] = list(prefix)
             self.recorder(rec)
         hit = pool.index().match(prefix).get(node_id, 0) if prefix else 0
+        if pool.dispatch_hook is not None:
+            pool.dispatch_hook(node_id, RequestInfo(model, prompt_tokens, prefix=prefix,
+                               block_tokens=pool.config.prefix_block_tokens))
         return self._issue(node, pool, prompt_tokens, now, prefix, hit)
 
     def _issue(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
