@@ -116,3 +116,19 @@ def test_the_cli_and_the_report_show_prefix_cache_use(tmp_path: Path,
     out = capsys.readouterr().out
     assert "prefix caches" in out and "hit rate" in out
     assert "Prefix caches" in report.read_text()
+
+
+def test_a_node_that_cannot_prefill_the_prompts_in_time_has_no_capacity_at_once() -> None:
+    import time
+
+    from tailguard.sim.capacity import fleet_capacity
+
+    raw = {"name": "c", "seed": 1, "model": "llama-3.1-8b", "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+           "fleet": [{"gpu": "L4", "count": 1}, {"gpu": "H100-SXM", "count": 1}],
+           "workload": {"duration_s": 60, "arrival": {"process": "poisson", "rate": 1},
+                        "input_tokens": {"dist": "fixed", "value": 12000},
+                        "output_tokens": {"dist": "fixed", "value": 20}}}
+    t0 = time.perf_counter()
+    cap = fleet_capacity(parse_scenario(raw))
+    assert cap["L4#0"] == 0.0 and cap["H100-SXM#0"] > 0.0
+    assert time.perf_counter() - t0 < 20.0
