@@ -16,7 +16,9 @@ block: a tokenizer-free client is rare enough not to size it more finely).
 
 Hashes are Python's own (randomised per process for ``str``): they only need
 to agree within one process: the gateway's index, or one emulated engine.
-Cost: one hash of each 512-character block, about 0.3 us each.
+Cost, measured (2-core machine, busy): about 1 us a 512-character block; a
+4,000-character chat request 8.5 us of its 33 us parse, a 48,000-character one
+86 us of 170 us.
 """
 
 from __future__ import annotations

@@ -724,17 +724,24 @@ def _mooncake_row(row: Mapping[str, Any], at: str, where: str) -> tuple[float, i
     ts = row.get("timestamp")
     if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
         raise ConfigError(where, f"{at}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
-    counts: list[int] = []
-    for key in ("input_length", "output_length"):
-        n = row.get(key)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= TOKEN_CAP:
-            raise ConfigError(where, f"{at}: {key!r} must be an integer >= 1, got {n!r}")
-        counts.append(n)
+    counts = _row_counts(row, ("input_length", "output_length"), at, where)
     ids = row.get("hash_ids", [])
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
                                             for h in ids):
         raise ConfigError(where, f"{at}: 'hash_ids' must be a list of integers")
     return float(ts) / 1000.0, counts[0], counts[1], tuple(ids)
+
+
+def _row_counts(row: Mapping[str, Any], keys: tuple[str, str], at: str,
+                where: str) -> list[int]:
+    """A trace line's two token counts, each an integer in ``[1, TOKEN_CAP]``."""
+    counts: list[int] = []
+    for key in keys:
+        n = row.get(key)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= TOKEN_CAP:
+            raise ConfigError(where, f"{at}: {key!r} must be an integer >= 1, got {n!r}")
+        counts.append(n)
+    return counts
 
 
 def read_trace(path: str | Path, where: str = "trace") -> Requests:
@@ -772,12 +779,7 @@ def read_trace(path: str | Path, where: str = "trace") -> Requests:
         t = row.get("t")
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0.0:
             raise ConfigError(where, f"{at}: 't' must be a finite number >= 0, got {t!r}")
-        counts: list[int] = []
-        for key in ("input_tokens", "output_tokens"):
-            n = row.get(key)
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= TOKEN_CAP:
-                raise ConfigError(where, f"{at}: {key!r} must be an integer >= 1, got {n!r}")
-            counts.append(n)
+        counts = _row_counts(row, ("input_tokens", "output_tokens"), at, where)
         rows.append((float(t), counts[0], counts[1]))
     if hashed:
         if rows:
