@@ -347,3 +347,32 @@ def test_probation_gets_its_canary_share() -> None:
         b.on_finish(t, 1.0 + i * 1e-4, Outcome.CLIENT_CANCELLED, 0)
     # The tailguard policy alone would never pick a node at a tenth of the weight.
     assert 20 <= hits <= 70
+
+
+def test_what_every_node_meets_at_once_is_not_one_nodes_slowness() -> None:
+    """Per-token times that rise and fall on every node together (a burst of load, a
+    shared host's contention: an emulated fleet's moved 1.3x within a second) are
+    judged against the peers' levels of the same moment. A reference kept for the
+    whole interval flagged one of two healthy peers 1.56x slow within 4 s."""
+    rig = Rig(["A100"] * 2)
+    noise = random.Random(3)
+    for second in range(120):
+        drift = 1.3 * math.sin(second / 3.0)  # common to both, period ~19 s
+        for _ in range(20):  # interleaved, as their streams' pieces arrive
+            for node in rig.nodes.values():
+                x = math.exp(0.5 * drift + noise.gauss(0.0, 0.1))
+                rig.det.on_decode(node, 0.02 * x, 0.02, 32, rig.now, rig.now - 1.0)
+            rig.now += 0.05
+        rig.tick()
+    assert rig.events == []
+    # ...while a node 2.5x slow beside the same drift is caught.
+    slow = rig.nodes["A100-80GB#1"]
+    for second in range(10):
+        drift = 1.3 * math.sin((120 + second) / 3.0)
+        for _ in range(20):
+            for node in rig.nodes.values():
+                x = math.exp(0.5 * drift + noise.gauss(0.0, 0.1)) * (2.5 if node is slow else 1.0)
+                rig.det.on_decode(node, 0.02 * x, 0.02, 32, rig.now, rig.now - 1.0)
+            rig.now += 0.05
+        rig.tick()
+    assert [(n, s) for _, n, s in rig.events] == [("A100-80GB#1", "degraded")]

@@ -13,7 +13,12 @@ from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import make_policy, policy_names
-from tailguard.core.predict import decode_step_s, running_batch
+from tailguard.core.predict import (
+    decode_step_s,
+    interleaved_tpot,
+    running_batch,
+    saturated_step_s,
+)
 from tailguard.errors import ConfigError
 
 MODEL = "llama-3.1-8b"
@@ -136,7 +141,13 @@ def test_router_and_learner_cap_the_batch_at_the_engine_slots() -> None:
     b.on_finish(tickets[0], 1.1, Outcome.OK, 101)  # 10 ms per token
     pool = tickets[0].pool
     step4 = decode_step_s(perf, 4, pool.mean_prompt + pool.mean_output / 2)
-    assert abs(node.capacity.decode.log_ratio - math.log(0.01 / step4) / 3.0) < 1e-9
+    # The other seven prompts were computed during its decode (their first tokens came
+    # after its own): each token shared the engine with them.
+    duty = (node.prefill_work_s - tickets[0].work_at_first) * node.class_prefill_slowdown / 1.0
+    assert duty > 0.0
+    expected = interleaved_tpot(step4, duty, saturated_step_s(perf, 4, pool.mean_prompt
+                                                               + pool.mean_output / 2))
+    assert abs(node.capacity.decode.log_ratio - math.log(0.01 / expected) / 3.0) < 1e-9
 
 
 @settings(max_examples=40, deadline=None)
@@ -160,3 +171,30 @@ def test_never_returns_an_ineligible_node(policy: str, states: list[NodeState], 
             assert t is None
         else:
             assert t is not None and t.node_id in allowed
+
+
+def test_a_node_busy_with_prompts_predicts_slower_tokens() -> None:
+    """Two idle A100s, one of which has been given 4,000-token prompts for the last
+    seconds: its decodes will share the engine with them, so the router prefers the
+    other, and the duty it prices fades as the prompts stop (DUTY_TAU_S)."""
+    from tailguard.core.fleet import DUTY_TAU_S
+
+    b = balancer("tailguard", ["A100", "A100"])
+    busy, calm = b.nodes["n0"], b.nodes["n1"]
+    for i in range(10):
+        t = b.take(MODEL, "n0", 4000, i * 0.5)
+        assert t is not None
+        b.on_first_token(t, i * 0.5 + 0.2)
+        b.on_finish(t, i * 0.5 + 0.2, Outcome.OK, 1)
+    now = 5.0
+    duty, square_rate = busy.prompt_load(now)
+    assert 0.3 < duty < 1.0 and calm.prompt_load(now) == (0.0, 0.0)
+    assert 0.0 < square_rate < duty
+    assert busy.in_flight == calm.in_flight == 0
+    picked = b.pick(MODEL, 100, now)
+    assert picked is not None and picked.node_id == "n1"
+    # Five time constants later the prompts are history: the tie breaks as before.
+    assert busy.prompt_load(now + 5 * DUTY_TAU_S)[0] < 0.01 * duty
+    assert interleaved_tpot(0.02, 0.5, 0.1) == pytest.approx(0.04)
+    # No more than a step that always carries a prompt chunk.
+    assert interleaved_tpot(0.02, 0.9, 0.1) == interleaved_tpot(0.02, 5.0, 0.1) == 0.1

@@ -611,3 +611,54 @@ def test_speed_report(rate: float, capsys: pytest.CaptureFixture[str]) -> None:
     assert eng.prompt_tokens_total == sum(p for _, p, _ in work)
     if rate < 5:
         assert eng.steps_total > 5 * wakeups
+
+
+@pytest.mark.parametrize("gpu", ["A100-80GB", "L4"])
+def test_prompts_beside_decodes_stretch_tpot_as_the_core_predicts(gpu: str) -> None:
+    """The engine model is the truth the core's interleaved-TPOT formula
+    (core.predict.interleaved_tpot over prefill_extra_s) must match: 16 long decodes
+    sharing the engine with a stream of 2,000-token prompts at three rates."""
+    from tailguard.core.predict import (
+        decode_step_s,
+        interleaved_tpot,
+        prefill_extra_s,
+        saturated_step_s,
+    )
+
+    perf = perf_model(gpu, "llama-3.1-8b")
+    batch, prompt, ctx0, out = 16, 2000, 1000, 400
+    errors, plain = [], []
+    for rate_share in (0.0, 0.2, 0.45, 2.0):  # prompt work as a share of the engine's time
+        eng = Engine(perf)
+        for i in range(batch):
+            eng.submit(i, ctx0, out, 0.0)
+        ctx = ctx0 + out / 2
+        extra = prefill_extra_s(perf, prompt, batch, ctx)
+        gap = extra / rate_share if rate_share else math.inf
+        t, nxt, rid = 0.0, 0.5, 100
+        first: dict[int, float] = {}
+        done: dict[int, float] = {}
+        prompts_at: list[float] = []
+        while len(done) < batch:
+            t = min(eng.next_event_time(), nxt)
+            for when, kind, r in eng.advance(t):
+                if r < batch:
+                    (first if kind == FIRST_TOKEN else done)[r] = when
+                elif kind == FIRST_TOKEN:
+                    prompts_at.append(when)
+            if t == nxt:
+                eng.submit(rid, prompt, 1, t)
+                rid += 1
+                nxt = t + gap
+        start, end = max(first.values()), min(done.values())
+        measured = sum(done[i] - first[i] for i in range(batch)) / (batch * (out - 1))
+        work = sum(1 for w in prompts_at if start <= w <= end) * extra
+        duty = work / (end - start)
+        step = decode_step_s(perf, batch, ctx)
+        full = saturated_step_s(perf, batch, ctx)
+        errors.append(abs(math.log(interleaved_tpot(step, duty, full) / measured)))
+        plain.append(abs(math.log(step / measured)))
+    assert max(errors) < math.log(1.15), (gpu, errors)
+    # The step alone misses a busy engine's TPOT; an engine given more prompts than
+    # it has time for runs every step with a chunk (the last case).
+    assert plain[-2] > math.log(1.4), plain

@@ -32,7 +32,14 @@ from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, Perf
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
-from tailguard.core.predict import decode_step_s, prefill_s, running_batch
+from tailguard.core.predict import (
+    decode_step_s,
+    interleaved_tpot,
+    prefill_extra_s,
+    prefill_s,
+    running_batch,
+    saturated_step_s,
+)
 from tailguard.core.prefix import PrefixIndex
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
 from tailguard.core.shared import merged_speed
@@ -99,8 +106,10 @@ class Ticket:
         "seg_batch",
         "seg_t",
         "seg_tokens",
+        "seg_work",
         "t_dispatch",
         "t_first",
+        "work_at_first",
     )
 
     def __init__(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
@@ -128,6 +137,8 @@ class Ticket:
         self.seg_t = -1.0
         self.seg_tokens = 1
         self.seg_batch = 0
+        self.seg_work = 0.0  # the node's prompt work dispatched by seg_t (Node.prefill_work_s)
+        self.work_at_first = 0.0  # ... and by the first token
 
     @property
     def node_id(self) -> str:
@@ -475,6 +486,12 @@ class Balancer:
         node.prefilling += 1
         node.prefill_backlog += ticket.backlog
         node.prefill_tokens_total += prompt_tokens
+        if ticket.backlog > 0:
+            running = running_batch(node.perf, node.slots, node.fleet_in_flight,
+                                    pool.mean_prompt + pool.mean_output)
+            node.add_dispatched_work(prefill_extra_s(
+                node.perf, ticket.backlog, running, pool.mean_prompt + pool.mean_output * 0.5),
+                now)
         node.dispatched_total += 1
         if node.limiter is not None:
             node.limiter.acquire()
@@ -505,6 +522,8 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1
+            self._prefilled(ticket, now)
+        ticket.seg_work = ticket.work_at_first = node.prefill_work_s
         node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
         if defer_prefill:
@@ -577,6 +596,8 @@ class Balancer:
         if ticket.t_first < 0.0 and not ticket.presumed:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
+            if outcome is Outcome.OK:  # a short non-streamed answer: computed all the same
+                self._prefilled(ticket, now)
         else:
             node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):
@@ -597,7 +618,8 @@ class Balancer:
             node.tpot.update(tpot, now)  # what clients got (observers read it)
             if output_tokens < MIN_DECODE_TOKENS:
                 return
-            batch, expected_step = self._decode_expected(ticket, ticket.batch_at_first)
+            batch, expected_step = self._decode_expected(ticket, ticket.batch_at_first,
+                                                         ticket.t_first, ticket.work_at_first, now)
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is None:
                 return
@@ -607,18 +629,44 @@ class Balancer:
             # The pieces judged as the stream ran; the rest, if long enough, now.
             rest = output_tokens - ticket.seg_tokens
             if rest >= MIN_DECODE_TOKENS:
-                batch, expected_step = self._decode_expected(ticket, ticket.seg_batch)
+                batch, expected_step = self._decode_expected(ticket, ticket.seg_batch,
+                                                             ticket.seg_t, ticket.seg_work, now)
                 self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
                                         batch, now, ticket.seg_t)
 
-    def _decode_expected(self, ticket: Ticket, batch_then: int) -> tuple[int, float]:
+    @staticmethod
+    def _prefilled(ticket: Ticket, now: float) -> None:
+        """The ticket's prompt has been computed: its work joins the node's prompt duty.
+
+        Counted when done, not when dispatched: a node working through a queue of
+        prompts computes them after the router stopped sending them, and its
+        decodes are slow then, not when they arrived."""
+        if ticket.backlog <= 0:
+            return
+        node, pool = ticket.node, ticket.pool
+        running = running_batch(node.perf, node.slots, node.fleet_in_flight,
+                                pool.mean_prompt + pool.mean_output)
+        node.prefill_work_s += prefill_extra_s(node.perf, ticket.backlog, running,
+                                               pool.mean_prompt + pool.mean_output * 0.5)
+
+    def _decode_expected(self, ticket: Ticket, batch_then: int, since: float,
+                         work_then: float, now: float) -> tuple[int, float]:
         """The running batch since ``batch_then`` (the mean of then and now) and the
-        roofline's step time for it."""
+        roofline's time per token for it, stretched by the prompt work dispatched to
+        the node since ``since`` (when it had dispatched ``work_then``), at the
+        class's learned prefill speed (:func:`interleaved_tpot`)."""
         node, pool = ticket.node, ticket.pool
         batch = running_batch(node.perf, node.slots,
                               max(1, (batch_then + node.fleet_in_flight + 1) // 2),
                               pool.mean_prompt + pool.mean_output)
-        return batch, decode_step_s(node.perf, batch, pool.mean_prompt + pool.mean_output * 0.5)
+        ctx = pool.mean_prompt + pool.mean_output * 0.5
+        step = decode_step_s(node.perf, batch, ctx)
+        span = now - since
+        work = node.prefill_work_s - work_then
+        if span > 0.0 and work > 0.0:
+            duty = work * (1.0 + node.remote_ratio) * node.class_prefill_slowdown / span
+            step = interleaved_tpot(step, duty, saturated_step_s(node.perf, batch, ctx))
+        return batch, step
 
     def on_stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
         """``tokens`` output tokens of the ticket's stream have arrived by ``now``.
@@ -642,11 +690,13 @@ class Balancer:
             return now  # a slow piece: the next chunk may complete it
         if self.recorder is not None:
             self.recorder({"t": now, "op": "progress", "ticket": ticket.id, "tokens": tokens})
-        batch, expected = self._decode_expected(ticket, ticket.seg_batch)
+        batch, expected = self._decode_expected(ticket, ticket.seg_batch, start,
+                                                ticket.seg_work, now)
         det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start)
         ticket.seg_t = now
         ticket.seg_tokens = tokens
         ticket.seg_batch = ticket.node.fleet_in_flight
+        ticket.seg_work = ticket.node.prefill_work_s
         return now + seg_s
 
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
@@ -697,6 +747,7 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1
+            self._prefilled(ticket, now)
             moved.add(ticket.pool.name)
         for name in sorted(moved):  # a shorter backlog may admit a waiter
             pool = self.pools.get(name)

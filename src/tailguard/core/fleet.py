@@ -10,6 +10,7 @@ lately. Both drivers update it only through :class:`tailguard.core.balancer.Bala
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +18,11 @@ from typing import Protocol
 from tailguard.core.estimate import CapacityEstimate, Ewma, PeakEwma
 from tailguard.core.hardware import GPU, PerfModel
 from tailguard.core.limits import Limiter
+
+# The time constant of a node's recent prompt-work rate (Node.prompt_load): long
+# enough to hold tens of prompts at a few requests a second, short enough to follow
+# a burst or a peer's lost capacity spilling onto the node.
+DUTY_TAU_S = 5.0
 
 
 class Outcome(enum.Enum):
@@ -121,6 +127,7 @@ class NodeView(Protocol):
     def class_decode_slowdown(self) -> float: ...
     @property
     def class_prefill_slowdown(self) -> float: ...
+    def prompt_load(self, now: float) -> tuple[float, float]: ...
 
 
 class Node:
@@ -132,6 +139,9 @@ class Node:
         "class_prefill_slowdown",
         "decoding",
         "dispatched_total",
+        "duty_acc",
+        "duty_sq",
+        "duty_t",
         "engine_kv_usage",
         "engine_metrics_at",
         "engine_running",
@@ -145,6 +155,7 @@ class Node:
         "perf",
         "prefill_backlog",
         "prefill_tokens_total",
+        "prefill_work_s",
         "prefilling",
         "presumed_cache_hits",
         "remote_backlog",
@@ -187,6 +198,14 @@ class Node:
         self.remote_speed: tuple[float, float, float, float] | None = None
         self.dispatched_total = 0
         self.prefill_tokens_total = 0  # prompt tokens ever dispatched here
+        # What its prompts (their uncached part) added to its engine steps, at its
+        # roofline speed: ever computed here (counted at their first tokens), and
+        # dispatched here decayed over DUTY_TAU_S (prompt_load), and the decayed
+        # sum of its squares.
+        self.prefill_work_s = 0.0
+        self.duty_acc = 0.0
+        self.duty_sq = 0.0
+        self.duty_t = 0.0
         # First tokens too fast for the node's speed with no cached-token count
         # from the engine: taken for prefix-cache hits, not learnt from.
         self.presumed_cache_hits = 0
@@ -223,6 +242,32 @@ class Node:
             return self.prefill_backlog
         est = self.remote_backlog + ratio * (self.prefill_backlog - self.own_backlog_base)
         return self.prefill_backlog + (int(est) if est > 0.0 else 0)
+
+    def add_dispatched_work(self, seconds: float, now: float) -> None:
+        """Prompt computation (roofline seconds) dispatched to the node at ``now``."""
+        dt = now - self.duty_t
+        if dt > 0.0:
+            w = math.exp(-dt / DUTY_TAU_S)
+            self.duty_acc *= w
+            self.duty_sq *= w
+            self.duty_t = now
+        self.duty_acc += seconds
+        self.duty_sq += seconds * seconds
+
+    def prompt_load(self, now: float) -> tuple[float, float]:
+        """The prompts the node's engine will compute beside its decodes, at its
+        roofline speed, from every gateway replica (this one's rate times the
+        others' demand over its own): ``(duty, square rate)``. ``duty`` is the share
+        of its time they take (their work per second; not capped, see
+        :func:`tailguard.core.predict.interleaved_tpot`); ``square rate`` is the sum
+        of their works' squares per second, which sets how much the work landing
+        in one answer's decode varies (:mod:`tailguard.core.policies.tailguard`).
+        The rate given, not the rate computed: a node stalled or behind still has
+        those prompts to compute beside its next decodes."""
+        dt = now - self.duty_t
+        w = math.exp(-dt / DUTY_TAU_S) if dt > 0.0 else 1.0
+        scale = w * (1.0 + self.remote_ratio) / DUTY_TAU_S
+        return self.duty_acc * scale, self.duty_sq * scale
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

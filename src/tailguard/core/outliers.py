@@ -235,6 +235,13 @@ def decode_bucket(batch: int) -> int:
 
 
 _FRESH = 2  # intervals since a peer's last sample in a bucket for it to be a reference
+# A level is the mean of a node's last this many samples in a bucket: at tens of
+# samples a second, the last second or so. What every node meets at once (a burst
+# of load, a shared host's contention) then moves the peers' levels with the
+# node's own samples (an emulated fleet's per-token times moved by 1.3x within a
+# second, on all nodes together).
+_LEVEL_SAMPLES = 16.0
+_REF_REUSE = 4.0  # samples of a bucket that reuse its reference before it is looked up again
 _STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
 _TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)
 _QUEUED = 16 * _TOKEN_BUCKETS  # added when the request waited for an engine slot
@@ -250,9 +257,11 @@ def prefill_bucket(tokens: int) -> int:
 class _Evidence:
     """One kind (prefill or decode) of one node: levels, residual evidence, counters.
 
-    ``levels[b]`` = [decayed count, decayed sum of x, interval of the last sample]:
-    the node's recent level in
-    bucket b, what its peers are compared with. ``history[b]``: its level when
+    ``levels[b]`` = [weight, mean of x, interval of the last sample]: the node's
+    recent level in bucket b, what its peers are compared with: a running mean of
+    its last ``_LEVEL_SAMPLES`` samples there (the weight is their count, capped,
+    and decays between intervals, so a quiet bucket's old level gives way to the
+    first new samples). ``history[b]``: its level when
     it was last healthy and clean. ``n``: residuals this interval (``absorb``
     adds other replicas'); ``own_n``/``own_total`` count this
     driver's own residuals since it started, never reset: what a gateway
@@ -265,7 +274,8 @@ class _Evidence:
     def __init__(self, sigma_prior: float) -> None:
         self.levels: dict[int, list[float]] = {}
         self.history: dict[int, float] = {}
-        self.refs: dict[int, float] = {}  # this interval's reference per bucket
+        # The reference per bucket and how many more samples may use it.
+        self.refs: dict[int, list[float]] = {}
         self.peers = False  # the last reference came from class peers (else own history)
         self.cusum = 0.0
         self.run = 0  # samples since the CUSUM was last at 0
@@ -289,15 +299,18 @@ class _Evidence:
         lv = self.levels.get(b)
         if lv is None or lv[0] < 2.0 or interval - lv[2] > _FRESH:
             return None
-        return lv[1] / lv[0]
+        return lv[1]
 
     def learn(self, b: int, x: float, interval: int) -> None:
         lv = self.levels.get(b)
         if lv is None:
             self.levels[b] = [1.0, x, float(interval)]
         else:
-            lv[0] += 1.0
-            lv[1] += x
+            w = lv[0] + 1.0
+            if w > _LEVEL_SAMPLES:
+                w = _LEVEL_SAMPLES
+            lv[0] = w
+            lv[1] += (x - lv[1]) / w
             lv[2] = float(interval)
 
     def add(self, r: float, n: int, allowance: float, cap: float, floor: float,
@@ -352,9 +365,8 @@ class _Evidence:
         for b in list(self.levels):
             lv = self.levels[b]
             if clean and lv[0] >= 2.0:
-                self.history[b] = lv[1] / lv[0]
+                self.history[b] = lv[1]
             lv[0] *= decay
-            lv[1] *= decay
             if lv[0] < 0.05:
                 del self.levels[b]
         self.refs.clear()
@@ -506,11 +518,15 @@ class OutlierDetector:
         x = math.log(observed / expected)
         x = _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
         ev.learn(b, x, self._interval)
-        ref = ev.refs.get(b)
-        if ref is None:
-            ref = self._reference(node, ev, k, b)
-            if ref is None:
+        cached = ev.refs.get(b)
+        if cached is not None and cached[1] > 0.0:
+            cached[1] -= 1.0
+            ref = cached[0]
+        else:
+            found = self._reference(node, ev, k, b)
+            if found is None:
                 return
+            ref = found
         r = x - ref
         ev.add(r, 1, self._allowance, 2.0 * self.config.evidence, self.config.sigma_floor, now,
                since)
@@ -519,7 +535,10 @@ class OutlierDetector:
 
     def _reference(self, node: Node, ev: _Evidence, k: int, b: int) -> float | None:
         """The median level of the node's healthy, clean class peers in bucket ``b``, else
-        the node's own history there; cached for the interval once found."""
+        the node's own history there; reused for the next ``_REF_REUSE`` samples of
+        the bucket (the peers' levels move little per sample; a reference kept for a
+        whole interval was seconds stale, and what a host's contention or a burst of
+        load does to every node at once then read as one node's slowness)."""
         peers = [(oh.prefill if k == 0 else oh.decode)
                  for other, oh in self._classes.get(node.spec.gpu_class, ())
                  if other is not node and other.state is NodeState.HEALTHY
@@ -545,7 +564,7 @@ class OutlierDetector:
             ref = ev.history.get(b) if k == 1 else None  # TTFT: peers only
             ev.peers = False
         if ref is not None:
-            ev.refs[b] = ref
+            ev.refs[b] = [ref, _REF_REUSE]
         return ref
 
     def on_outcome(self, node: Node, outcome: Outcome, now: float) -> None:

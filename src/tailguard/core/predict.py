@@ -50,3 +50,68 @@ def running_batch(perf: PerfModel, slots: int, batch: int, footprint: float) -> 
 def decode_step_s(perf: PerfModel, batch: int, mean_ctx: float) -> float:
     """Roofline time of one decode step of ``batch`` sequences of ``mean_ctx`` tokens."""
     return perf.step_time(batch, batch * mean_ctx)
+
+
+# The per-step token budget of an engine's chunked prefill: vLLM's default
+# max_num_batched_tokens (the decodes' tokens come out of it).
+PREFILL_CHUNK_TOKENS = 2048
+
+
+def prefill_extra_s(perf: PerfModel, prompt: int, batch: int, mean_ctx: float,
+                    chunk: int = PREFILL_CHUNK_TOKENS) -> float:
+    """What computing a ``prompt`` beside ``batch`` decodes adds to their steps.
+
+    The prompt rides along in chunks of what the step's token budget leaves;
+    each chunk costs the step it joins its marginal time, which is less than
+    the chunk alone would take where the decode step was memory-bound (its
+    compute fits in the time the weights take to stream). A short prompt beside
+    a memory-bound batch is nearly free; a long one costs its compute.
+    """
+    if prompt <= 0:
+        return 0.0
+    if batch < 1:
+        batch = 1
+    ctx = batch * mean_ctx
+    base = perf.step_time(batch, ctx)
+    budget = chunk - batch if chunk - batch > 1 else 1
+    total, done = 0.0, 0
+    while done < prompt:
+        p = prompt - done if prompt - done < budget else budget
+        total += perf.step_time(batch, ctx, p, done + p, p * (done + p * 0.5)) - base
+        done += p
+    return total
+
+
+def saturated_step_s(perf: PerfModel, batch: int, mean_ctx: float,
+                     chunk: int = PREFILL_CHUNK_TOKENS) -> float:
+    """A decode step of ``batch`` sequences that also carries a full prompt chunk:
+    what every token takes on an engine that always has prompts waiting."""
+    if batch < 1:
+        batch = 1
+    p = chunk - batch if chunk - batch > 1 else 1
+    return perf.step_time(batch, batch * mean_ctx, p, p, p * p * 0.5)
+
+
+def interleaved_tpot(step: float, duty: float, saturated: float) -> float:
+    """Time per output token of a decode that shares the engine with prompts.
+
+    An engine that batches prompts (chunked prefill) with the running decodes
+    computes them between decode tokens: over a time ``T`` holding ``W`` seconds
+    of prompt work, ``N`` decode steps of ``step`` seconds fit in ``T - W``, so
+    each token takes ``T / N = step / (1 - duty)`` with ``duty = W / T``, and at
+    most ``saturated`` (:func:`saturated_step_s`: every step carries a chunk), which
+    is where an engine that has more prompts than time ends. The roofline step
+    alone holds at any rate of arrivals; measured per-token times do not: a node
+    given a peer's spilled load runs its decodes at the same batch but slower,
+    which neither the router nor the outlier detector may read as the node's own
+    speed. ``duty`` comes from :meth:`tailguard.core.fleet.Node.prompt_load` or
+    the work computed during a decode; the work is each prompt's
+    :func:`prefill_extra_s`, so a prompt riding in a memory-bound step's spare
+    compute costs what it adds, not its own time.
+    """
+    if duty <= 0.0:
+        return step
+    if duty >= 1.0:
+        return saturated if saturated > step else step
+    t = step / (1.0 - duty)
+    return t if t < saturated else (saturated if saturated > step else step)

@@ -8,8 +8,12 @@ and from its live load as the gateway counts it:
 * batch after admission ``b = in_flight + 1``; the engine runs at most
   ``slots = min(max_num_seqs, KV capacity / tokens per request)`` at once,
   so a node with free slots admits at once while a full one queues;
-* ``tpot = step_time(min(b, slots) sequences) * decode_slowdown``, the
-  slowdown learned for the node's GPU class (:mod:`tailguard.core.predict`);
+* ``tpot = step_time(min(b, slots) sequences) * decode_slowdown / (1 - duty)``,
+  the slowdown learned for the node's GPU class, and ``duty`` the share of the
+  node's time its recent prompts take at the class's prefill speed: prompts
+  computed between decode tokens stretch every token
+  (:func:`~tailguard.core.predict.interleaved_tpot`), so a node taking a lost
+  peer's load predicts the TPOT it will deliver, not its idle step;
 * ``ttft = (prompt tokens ahead + this prompt) * prefill cost per token
   * prefill_slowdown + one step``, plus, when the node is full, the time for
   ``b - slots`` requests to drain at ``slots`` per service time;
@@ -19,7 +23,8 @@ and from its live load as the gateway counts it:
   plus the engine queue) times ``queue_weight`` (default 1.0).
 
 The node with the earliest predicted finish wins, among the nodes that keep
-both SLOs (with ``slo_headroom``, default 0.9). The finish time weighs TTFT by
+both SLOs (with ``slo_headroom``, default 0.9; the TPOT check uses the node's
+own learned decode speed where it is slower than its class's). The finish time weighs TTFT by
 ``ttft_weight``; its default (``"slo"``) is ``expected_output * slo_tpot /
 slo_ttft``, which makes the cost ``out*tpot + w*ttft`` proportional to
 ``tpot/slo_tpot + ttft/slo_ttft``: a second of waiting for the first token
@@ -65,17 +70,33 @@ s, so the H100's queue keeps growing; with the wait it imposes on others
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from random import Random
 from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
-from tailguard.core.predict import decode_step_s, prefill_s, prefill_token_s, running_batch
+from tailguard.core.predict import (
+    decode_step_s,
+    interleaved_tpot,
+    prefill_s,
+    prefill_token_s,
+    running_batch,
+    saturated_step_s,
+)
 
 # Cost added per unit of relative SLO excess: any node that keeps the SLO beats
 # every node that does not, and among those that do not the smaller miss wins.
 _VIOLATION_COST_S = 1e4
+# Decode samples of a node before its own speed may tighten its SLO check.
+_OWN_SAMPLES = 8
+# ...and how much slower than its class it must have been measured (a node's own
+# estimate moves by about 4% with its sample noise; SKUs differ by ~8%, SC'22).
+_OWN_MARGIN = 1.2
+# Standard deviations of the prompt work an answer meets that its TPOT check allows
+# for (about the 98th percentile of a normal).
+_SPREAD_Z = 2.0
 
 
 class TailguardPolicy:
@@ -125,8 +146,18 @@ class TailguardPolicy:
             perf = n.perf
             batch = n.fleet_in_flight + 1
             running = running_batch(perf, n.slots, batch, footprint)
-            tpot = decode_step_s(perf, running, ctx) * n.class_decode_slowdown
             pslow = n.class_prefill_slowdown
+            dslow = n.class_decode_slowdown
+            tpot = decode_step_s(perf, running, ctx) * dslow
+            check = tpot
+            duty, square_rate = n.prompt_load(now)
+            if duty > 0.0:
+                tpot = interleaved_tpot(tpot, duty * pslow,
+                                        saturated_step_s(perf, running, ctx) * dslow)
+                # How unlucky this answer may be: the prompt work landing in its
+                # decode (out * tpot seconds) is a Poisson sum of prompts, whose
+                # spread over its tokens the SLO check adds.
+                check = tpot + _SPREAD_Z * pslow * math.sqrt(square_rate * tpot / out)
             # A prefix the node holds is prefill it need not do.
             work = prompt - min(cached.get(n.id, 0), prompt - 1) if cached else prompt
             ttft = prefill_s(perf, n.fleet_backlog, work) * pslow + tpot
@@ -141,8 +172,16 @@ class TailguardPolicy:
             excess = 0.0
             if ttft > ttft_limit:
                 excess += ttft / ttft_limit - 1.0
-            if tpot > tpot_limit:
-                excess += tpot / tpot_limit - 1.0
+            # The SLO is kept at the node's own measured speed where that is clearly
+            # slower than its class's: a card 1.4x slow for its class is below what
+            # the detector flags, and priced at the class's speed its answers miss.
+            # Not where the two differ by noise: then the SLO check would shift load
+            # from one of two identical cards onto the other at random.
+            own = n.capacity.decode
+            if own.samples >= _OWN_SAMPLES and own.ratio > _OWN_MARGIN * dslow:
+                check *= own.ratio / dslow
+            if check > tpot_limit:
+                excess += check / tpot_limit - 1.0
             if excess:
                 cost += excess * _VIOLATION_COST_S
             if cost < best:
