@@ -182,19 +182,40 @@ def test_a_node_busy_with_prompts_predicts_slower_tokens() -> None:
     b = balancer("tailguard", ["A100", "A100"])
     busy, calm = b.nodes["n0"], b.nodes["n1"]
     for i in range(10):
+        if i % 2 == 0:
+            b.tick(i * 0.5)  # the drivers tick every second
         t = b.take(MODEL, "n0", 4000, i * 0.5)
         assert t is not None
         b.on_first_token(t, i * 0.5 + 0.2)
         b.on_finish(t, i * 0.5 + 0.2, Outcome.OK, 1)
     now = 5.0
-    duty, square_rate = busy.prompt_load(now)
-    assert 0.3 < duty < 1.0 and calm.prompt_load(now) == (0.0, 0.0)
-    assert 0.0 < square_rate < duty
+    b.tick(now)
+    duty = busy.duty
+    assert 0.3 < duty < 1.0 and calm.duty == calm.duty_sq == 0.0
+    assert 0.0 < busy.duty_sq < duty
     assert busy.in_flight == calm.in_flight == 0
     picked = b.pick(MODEL, 100, now)
     assert picked is not None and picked.node_id == "n1"
     # Five time constants later the prompts are history: the tie breaks as before.
-    assert busy.prompt_load(now + 5 * DUTY_TAU_S)[0] < 0.01 * duty
+    b.tick(now + 5 * DUTY_TAU_S)
+    assert busy.duty < 0.01 * duty
     assert interleaved_tpot(0.02, 0.5, 0.1) == pytest.approx(0.04)
     # No more than a step that always carries a prompt chunk.
     assert interleaved_tpot(0.02, 0.9, 0.1) == interleaved_tpot(0.02, 5.0, 0.1) == 0.1
+
+
+def test_a_card_clearly_slower_than_its_class_keeps_the_slo_at_its_own_speed() -> None:
+    """A T4 1.4x slow for its class is below what the detector flags (1.5x), and the
+    router prices its class by the class's mean: its own measured speed is what its
+    TPOT check uses (Node.decode_excess), against its class's *other* cards. Cards
+    that differ by noise keep the class's speed."""
+    b = balancer("tailguard", ["T4", "T4", "A100", "A100"])
+    slow, peer, a, a2 = (b.nodes[f"n{i}"] for i in range(4))
+    for _ in range(20):
+        slow.capacity.decode.update(1.4, 1.0)
+        peer.capacity.decode.update(1.0, 1.0)
+        a.capacity.decode.update(1.05, 1.0)
+        a2.capacity.decode.update(0.95, 1.0)
+    b.tick(0.0)
+    assert slow.decode_excess == pytest.approx(1.4, rel=0.02)
+    assert peer.decode_excess == a.decode_excess == a2.decode_excess == 1.0

@@ -27,7 +27,7 @@ from typing import Any
 from tailguard.core import shared
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.events import Event as Event  # re-exported: drivers import it here
-from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import OWN_MARGIN, OWN_SAMPLES, Node, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
@@ -109,6 +109,7 @@ class Ticket:
         "seg_work",
         "t_dispatch",
         "t_first",
+        "work",
         "work_at_first",
     )
 
@@ -139,6 +140,7 @@ class Ticket:
         self.seg_batch = 0
         self.seg_work = 0.0  # the node's prompt work dispatched by seg_t (Node.prefill_work_s)
         self.work_at_first = 0.0  # ... and by the first token
+        self.work = 0.0  # what its prompt adds to the node's steps (predict.prefill_extra_s)
 
     @property
     def node_id(self) -> str:
@@ -489,9 +491,9 @@ class Balancer:
         if ticket.backlog > 0:
             running = running_batch(node.perf, node.slots, node.fleet_in_flight,
                                     pool.mean_prompt + pool.mean_output)
-            node.add_dispatched_work(prefill_extra_s(
-                node.perf, ticket.backlog, running, pool.mean_prompt + pool.mean_output * 0.5),
-                now)
+            ticket.work = prefill_extra_s(node.perf, ticket.backlog, running,
+                                          pool.mean_prompt + pool.mean_output * 0.5)
+            node.add_dispatched_work(ticket.work)
         node.dispatched_total += 1
         if node.limiter is not None:
             node.limiter.acquire()
@@ -522,7 +524,7 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1
-            self._prefilled(ticket, now)
+            node.prefill_work_s += ticket.work  # computed: counted where it ran
         ticket.seg_work = ticket.work_at_first = node.prefill_work_s
         node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
@@ -597,7 +599,7 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             if outcome is Outcome.OK:  # a short non-streamed answer: computed all the same
-                self._prefilled(ticket, now)
+                node.prefill_work_s += ticket.work
         else:
             node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):
@@ -634,20 +636,6 @@ class Balancer:
                 self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
                                         batch, now, ticket.seg_t)
 
-    @staticmethod
-    def _prefilled(ticket: Ticket, now: float) -> None:
-        """The ticket's prompt has been computed: its work joins the node's prompt duty.
-
-        Counted when done, not when dispatched: a node working through a queue of
-        prompts computes them after the router stopped sending them, and its
-        decodes are slow then, not when they arrived."""
-        if ticket.backlog <= 0:
-            return
-        node, pool = ticket.node, ticket.pool
-        running = running_batch(node.perf, node.slots, node.fleet_in_flight,
-                                pool.mean_prompt + pool.mean_output)
-        node.prefill_work_s += prefill_extra_s(node.perf, ticket.backlog, running,
-                                               pool.mean_prompt + pool.mean_output * 0.5)
 
     def _decode_expected(self, ticket: Ticket, batch_then: int, since: float,
                          work_then: float, now: float) -> tuple[int, float]:
@@ -747,7 +735,7 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1
-            self._prefilled(ticket, now)
+            node.prefill_work_s += ticket.work  # computed: counted where it ran
             moved.add(ticket.pool.name)
         for name in sorted(moved):  # a shorter backlog may admit a waiter
             pool = self.pools.get(name)
@@ -1084,6 +1072,8 @@ class Balancer:
 
     def _tick(self, now: float) -> list[Event]:
         self._settle_presumed(now)
+        for node in self.nodes.values():
+            node.decay_duty(now)
         self._refresh_class_slowdowns()
         self._last_tick = now
         if self.outliers is None:
@@ -1113,3 +1103,18 @@ class Balancer:
                 d, p, n = hd, hp, hn
             node.class_decode_slowdown = math.exp(d / n)
             node.class_prefill_slowdown = math.exp(p / n)
+            # Against the others of its class (in a class of two, the mean with
+            # itself would halve a slow card's excess in log terms).
+            own = node.capacity.decode
+            node.decode_excess = 1.0
+            if own.samples >= OWN_SAMPLES:
+                mine = own.log_ratio
+                if node.remote_speed is not None:
+                    mine = merged_speed(node.capacity, node.remote_speed)[0]
+                others, k = d, n
+                if hn and node.state is NodeState.HEALTHY:
+                    others, k = d - mine, n - 1.0
+                if k > 0.0:
+                    excess = math.exp(mine - others / k)
+                    if excess > OWN_MARGIN:
+                        node.decode_excess = excess

@@ -19,7 +19,13 @@ from tailguard.core.estimate import CapacityEstimate, Ewma, PeakEwma
 from tailguard.core.hardware import GPU, PerfModel
 from tailguard.core.limits import Limiter
 
-# The time constant of a node's recent prompt-work rate (Node.prompt_load): long
+# Node.decode_excess: decode samples of a node before its own speed counts, and how
+# much slower than its class's it must be (a node's own estimate moves by about 4%
+# with its sample noise; identical SKUs differ by ~8%, SC'22).
+OWN_SAMPLES = 8
+OWN_MARGIN = 1.2
+
+# The time constant of a node's recent prompt-work rate (Node.duty): long
 # enough to hold tens of prompts at a few requests a second, short enough to follow
 # a burst or a peer's lost capacity spilling onto the node.
 DUTY_TAU_S = 5.0
@@ -127,7 +133,14 @@ class NodeView(Protocol):
     def class_decode_slowdown(self) -> float: ...
     @property
     def class_prefill_slowdown(self) -> float: ...
-    def prompt_load(self, now: float) -> tuple[float, float]: ...
+    @property
+    def decode_excess(self) -> float: ...
+    @property
+    def duty(self) -> float: ...
+    @property
+    def duty_sq(self) -> float: ...
+    @property
+    def remote_ratio(self) -> float: ...
 
 
 class Node:
@@ -137,9 +150,10 @@ class Node:
         "capacity",
         "class_decode_slowdown",
         "class_prefill_slowdown",
+        "decode_excess",
         "decoding",
         "dispatched_total",
-        "duty_acc",
+        "duty",
         "duty_sq",
         "duty_t",
         "engine_kv_usage",
@@ -198,12 +212,18 @@ class Node:
         self.remote_speed: tuple[float, float, float, float] | None = None
         self.dispatched_total = 0
         self.prefill_tokens_total = 0  # prompt tokens ever dispatched here
-        # What its prompts (their uncached part) added to its engine steps, at its
-        # roofline speed: ever computed here (counted at their first tokens), and
-        # dispatched here decayed over DUTY_TAU_S (prompt_load), and the decayed
-        # sum of its squares.
+        # What its prompts (their uncached part) add to its engine steps, at its
+        # roofline speed (predict.prefill_extra_s): ever computed here (counted at
+        # their first tokens), and the recent rate of it dispatched here. The rate,
+        # ``duty``, is the share of the engine's time its prompts will take beside
+        # its decodes (not capped: see predict.interleaved_tpot); ``duty_sq`` is
+        # the same sum over the works' squares, which sets how much the work landing
+        # in one answer's decode varies (policies/tailguard.py). Both are this
+        # replica's (times 1 + remote_ratio for the fleet's), decayed over DUTY_TAU_S
+        # at each tick: the rate given, not the rate computed, since a node stalled
+        # or behind still has those prompts to compute beside its next decodes.
         self.prefill_work_s = 0.0
-        self.duty_acc = 0.0
+        self.duty = 0.0
         self.duty_sq = 0.0
         self.duty_t = 0.0
         # First tokens too fast for the node's speed with no cached-token count
@@ -213,6 +233,12 @@ class Node:
         # which is what the router uses; refreshed by Balancer.tick.
         self.class_decode_slowdown = 1.0
         self.class_prefill_slowdown = 1.0
+        # The node's own learned decode slowdown over its class's where the node is
+        # clearly the slower (by OWN_MARGIN, after OWN_SAMPLES samples), else 1.0:
+        # what the router's TPOT check multiplies by. A card 1.4x slow for its class
+        # is below what the detector flags; not where the two differ by noise, or
+        # the check would move load from one of two identical cards to the other.
+        self.decode_excess = 1.0
         self.capacity = CapacityEstimate()
         self.latency = PeakEwma(tau=10.0)
         self.ttft = Ewma(tau=10.0)
@@ -243,31 +269,19 @@ class Node:
         est = self.remote_backlog + ratio * (self.prefill_backlog - self.own_backlog_base)
         return self.prefill_backlog + (int(est) if est > 0.0 else 0)
 
-    def add_dispatched_work(self, seconds: float, now: float) -> None:
-        """Prompt computation (roofline seconds) dispatched to the node at ``now``."""
+    def add_dispatched_work(self, seconds: float) -> None:
+        """Prompt computation (roofline seconds) dispatched to the node."""
+        self.duty += seconds / DUTY_TAU_S
+        self.duty_sq += seconds * seconds / DUTY_TAU_S
+
+    def decay_duty(self, now: float) -> None:
+        """The prompt rates forget what was dispatched before ``now`` (each tick)."""
         dt = now - self.duty_t
         if dt > 0.0:
             w = math.exp(-dt / DUTY_TAU_S)
-            self.duty_acc *= w
+            self.duty *= w
             self.duty_sq *= w
             self.duty_t = now
-        self.duty_acc += seconds
-        self.duty_sq += seconds * seconds
-
-    def prompt_load(self, now: float) -> tuple[float, float]:
-        """The prompts the node's engine will compute beside its decodes, at its
-        roofline speed, from every gateway replica (this one's rate times the
-        others' demand over its own): ``(duty, square rate)``. ``duty`` is the share
-        of its time they take (their work per second; not capped, see
-        :func:`tailguard.core.predict.interleaved_tpot`); ``square rate`` is the sum
-        of their works' squares per second, which sets how much the work landing
-        in one answer's decode varies (:mod:`tailguard.core.policies.tailguard`).
-        The rate given, not the rate computed: a node stalled or behind still has
-        those prompts to compute beside its next decodes."""
-        dt = now - self.duty_t
-        w = math.exp(-dt / DUTY_TAU_S) if dt > 0.0 else 1.0
-        scale = w * (1.0 + self.remote_ratio) / DUTY_TAU_S
-        return self.duty_acc * scale, self.duty_sq * scale
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -241,7 +241,7 @@ _FRESH = 2  # intervals since a peer's last sample in a bucket for it to be a re
 # node's own samples (an emulated fleet's per-token times moved by 1.3x within a
 # second, on all nodes together).
 _LEVEL_SAMPLES = 16.0
-_REF_REUSE = 4.0  # samples of a bucket that reuse its reference before it is looked up again
+_REF_REUSE = 8.0  # samples of a bucket that reuse its reference before it is looked up again
 _STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
 _TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)
 _QUEUED = 16 * _TOKEN_BUCKETS  # added when the request waited for an engine slot
@@ -453,6 +453,9 @@ class OutlierDetector:
         # The records of each GPU class (a node's peers), rebuilt when nodes come or go.
         self._classes: dict[str, list[tuple[Node, NodeHealth]]] = {}
         self._classes_for = -1
+        # ...and those of them healthy and not flagged, as of the last tick: the
+        # nodes whose levels are references.
+        self._references: dict[str, list[tuple[Node, NodeHealth]]] = {}
         self._interval = 0  # intervals closed so far: the age of a node's levels
         # The CUSUM's allowance k (per sample, so set once per tick: a reload may
         # change slow_ratio; records, and so samples, exist only after a tick).
@@ -539,10 +542,8 @@ class OutlierDetector:
         the bucket (the peers' levels move little per sample; a reference kept for a
         whole interval was seconds stale, and what a host's contention or a burst of
         load does to every node at once then read as one node's slowness)."""
-        peers = [(oh.prefill if k == 0 else oh.decode)
-                 for other, oh in self._classes.get(node.spec.gpu_class, ())
-                 if other is not node and other.state is NodeState.HEALTHY
-                 and not oh.flagged_streak]
+        peers = [oh.prefill if k == 0 else oh.decode
+                 for other, oh in self._references.get(node.spec.gpu_class, ()) if other is not node]
         levels: list[float] = []
         # The bucket itself, else (prefill) the next octave of tokens at the same
         # batch: at low rates a node's peers may not have run exactly its kind of
@@ -648,12 +649,20 @@ class OutlierDetector:
                 self._evaluate(now, nodes, pool_list, rng, events)
                 self._interval += 1
             self._next_eval = now + cfg.interval_s
+        self._refresh_references()
         return events
+
+    def _refresh_references(self) -> None:
+        self._references = {
+            gpu: [(n, h) for n, h in members
+                  if n.state is NodeState.HEALTHY and not h.flagged_streak]
+            for gpu, members in self._classes.items()}
 
     def _follow(self, now: float, nodes: Mapping[str, Node]) -> None:
         """A follower's tick: intervals close and histories learn; states are the leader's."""
         for node in nodes.values():
             self._observe_state(node, self._rec(node, now), now)
+        self._refresh_references()
         if now < self._next_eval:
             return
         if self._next_eval >= 0.0:

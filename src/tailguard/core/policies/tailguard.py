@@ -89,14 +89,11 @@ from tailguard.core.predict import (
 # Cost added per unit of relative SLO excess: any node that keeps the SLO beats
 # every node that does not, and among those that do not the smaller miss wins.
 _VIOLATION_COST_S = 1e4
-# Decode samples of a node before its own speed may tighten its SLO check.
-_OWN_SAMPLES = 8
-# ...and how much slower than its class it must have been measured (a node's own
-# estimate moves by about 4% with its sample noise; SKUs differ by ~8%, SC'22).
-_OWN_MARGIN = 1.2
 # Standard deviations of the prompt work an answer meets that its TPOT check allows
 # for (about the 98th percentile of a normal).
-_SPREAD_Z = 2.0
+_SPREAD_Z = 1.0
+# Prompt duty above which the saturated step may cap the predicted TPOT.
+_CAP_DUTY = 0.3
 
 
 class TailguardPolicy:
@@ -150,14 +147,19 @@ class TailguardPolicy:
             dslow = n.class_decode_slowdown
             tpot = decode_step_s(perf, running, ctx) * dslow
             check = tpot
-            duty, square_rate = n.prompt_load(now)
+            duty = n.duty
             if duty > 0.0:
-                tpot = interleaved_tpot(tpot, duty * pslow,
-                                        saturated_step_s(perf, running, ctx) * dslow)
+                scale = (1.0 + n.remote_ratio) * pslow
+                duty *= scale
+                # The cap (a step that always carries a chunk) is only looked up
+                # where it can bind: a prompt riding in a step's spare compute
+                # adds little work, so a low duty never stretches past it.
+                tpot = interleaved_tpot(tpot, duty, saturated_step_s(perf, running, ctx) * dslow
+                                        if duty > _CAP_DUTY else math.inf)
                 # How unlucky this answer may be: the prompt work landing in its
                 # decode (out * tpot seconds) is a Poisson sum of prompts, whose
                 # spread over its tokens the SLO check adds.
-                check = tpot + _SPREAD_Z * pslow * math.sqrt(square_rate * tpot / out)
+                check = tpot + _SPREAD_Z * math.sqrt(n.duty_sq * scale * pslow * tpot / out)
             # A prefix the node holds is prefill it need not do.
             work = prompt - min(cached.get(n.id, 0), prompt - 1) if cached else prompt
             ttft = prefill_s(perf, n.fleet_backlog, work) * pslow + tpot
@@ -173,13 +175,11 @@ class TailguardPolicy:
             if ttft > ttft_limit:
                 excess += ttft / ttft_limit - 1.0
             # The SLO is kept at the node's own measured speed where that is clearly
-            # slower than its class's: a card 1.4x slow for its class is below what
-            # the detector flags, and priced at the class's speed its answers miss.
-            # Not where the two differ by noise: then the SLO check would shift load
-            # from one of two identical cards onto the other at random.
-            own = n.capacity.decode
-            if own.samples >= _OWN_SAMPLES and own.ratio > _OWN_MARGIN * dslow:
-                check *= own.ratio / dslow
+            # slower than its class's (Node.decode_excess): a card 1.4x slow for its
+            # class is below what the detector flags, and priced at the class's
+            # speed its answers miss.
+            if n.decode_excess != 1.0:
+                check *= n.decode_excess
             if check > tpot_limit:
                 excess += check / tpot_limit - 1.0
             if excess:
