@@ -600,6 +600,8 @@ class Balancer:
             node.prefill_backlog -= ticket.backlog
             if outcome is Outcome.OK:  # a short non-streamed answer: computed all the same
                 node.prefill_work_s += ticket.work
+            else:  # its prompt will not be computed: no longer work the node has to do
+                node.withdraw_work(ticket.work)
         else:
             node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):

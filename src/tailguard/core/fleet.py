@@ -274,6 +274,13 @@ class Node:
         self.duty += seconds / DUTY_TAU_S
         self.duty_sq += seconds * seconds / DUTY_TAU_S
 
+    def withdraw_work(self, seconds: float) -> None:
+        """A dispatched prompt that will not be computed (its request failed first)."""
+        d = self.duty - seconds / DUTY_TAU_S
+        self.duty = d if d > 0.0 else 0.0
+        q = self.duty_sq - seconds * seconds / DUTY_TAU_S
+        self.duty_sq = q if q > 0.0 else 0.0
+
     def decay_duty(self, now: float) -> None:
         """The prompt rates forget what was dispatched before ``now`` (each tick)."""
         dt = now - self.duty_t

@@ -29,9 +29,11 @@ has buckets of its own), and its residual is
 with the reference
 
 * the **median of the other healthy nodes of its GPU class** in that bucket,
-  each node's recent level there (a mean decayed with a half-life of
-  ``level_half_life_s``, 15 s): identical cards at the same batch share the
-  roofline's error, which then cancels, and a node slow *from its first
+  each node's recent level there (the mean of its last 16 samples there,
+  whose weight decays with a half-life of ``level_half_life_s``, 15 s, while
+  the bucket is quiet): identical cards at the same batch share the
+  roofline's error, and what every node meets at the same moment (a burst of
+  load, a shared host's contention), which then cancel, and a node slow *from its first
   request* is compared with its peers from its first request; two nodes are
   enough (the slower one is the outlier: nobody is flagged for being fast);
 * else, for decode, the node's **own history** in that bucket: its level the
@@ -191,7 +193,7 @@ class OutlierConfig:
     prefill_sigma_prior: float = 0.5
     decode_sigma_prior: float = 0.3
     min_samples: int = 2  # samples in the current excess before a flag (one is never enough)
-    level_half_life_s: float = 15.0  # how fast a node's per-bucket level forgets
+    level_half_life_s: float = 15.0  # how fast a quiet bucket's level loses its weight
     recover_intervals: int = 3  # clean intervals before a degraded node is healthy
     # A degraded node the router stops using gives no samples to clear it: it
     # regains weight by this factor per interval without samples (up to 1).
