@@ -138,7 +138,7 @@ class Ticket:
         self.seg_t = -1.0
         self.seg_tokens = 1
         self.seg_batch = 0
-        self.seg_work = 0.0  # the node's prompt work dispatched by seg_t (Node.prefill_work_s)
+        self.seg_work = 0.0  # the node's prompt work computed by seg_t (Node.prefill_work_s)
         self.work_at_first = 0.0  # ... and by the first token
         self.work = 0.0  # what its prompt adds to the node's steps (predict.prefill_extra_s)
 
@@ -638,13 +638,12 @@ class Balancer:
                 self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
                                         batch, now, ticket.seg_t)
 
-
     def _decode_expected(self, ticket: Ticket, batch_then: int, since: float,
                          work_then: float, now: float) -> tuple[int, float]:
         """The running batch since ``batch_then`` (the mean of then and now) and the
-        roofline's time per token for it, stretched by the prompt work dispatched to
-        the node since ``since`` (when it had dispatched ``work_then``), at the
-        class's learned prefill speed (:func:`interleaved_tpot`)."""
+        roofline's time per token for it, stretched by the prompt work the node
+        computed since ``since`` (when its total was ``work_then``), at the class's
+        learned prefill speed (:func:`interleaved_tpot`)."""
         node, pool = ticket.node, ticket.pool
         batch = running_batch(node.perf, node.slots,
                               max(1, (batch_then + node.fleet_in_flight + 1) // 2),

@@ -655,6 +655,7 @@ class OutlierDetector:
         return events
 
     def _refresh_references(self) -> None:
+        """Each class's healthy, unflagged records: whose levels are references."""
         self._references = {
             gpu: [(n, h) for n, h in members
                   if n.state is NodeState.HEALTHY and not h.flagged_streak]

@@ -104,14 +104,15 @@ def interleaved_tpot(step: float, duty: float, saturated: float) -> float:
     alone holds at any rate of arrivals; measured per-token times do not: a node
     given a peer's spilled load runs its decodes at the same batch but slower,
     which neither the router nor the outlier detector may read as the node's own
-    speed. ``duty`` comes from :meth:`tailguard.core.fleet.Node.prompt_load` or
-    the work computed during a decode; the work is each prompt's
+    speed. ``duty`` comes from ``Node.duty`` (the router) or the
+    work computed during a decode (the learner and the detector); the work is each prompt's
     :func:`prefill_extra_s`, so a prompt riding in a memory-bound step's spare
     compute costs what it adds, not its own time.
     """
     if duty <= 0.0:
         return step
+    cap = saturated if saturated > step else step
     if duty >= 1.0:
-        return saturated if saturated > step else step
+        return cap
     t = step / (1.0 - duty)
-    return t if t < saturated else (saturated if saturated > step else step)
+    return t if t < cap else cap
