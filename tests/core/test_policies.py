@@ -219,3 +219,48 @@ def test_a_card_clearly_slower_than_its_class_keeps_the_slo_at_its_own_speed() -
     b.tick(0.0)
     assert slow.decode_excess == pytest.approx(1.4, rel=0.02)
     assert peer.decode_excess == a.decode_excess == a2.decode_excess == 1.0
+
+
+def test_a_stalled_node_is_avoided_until_it_answers() -> None:
+    """A node silent past its oldest prompt's due time (Node.overdue_s) gets no new
+    requests: the router sees a stall within a fraction of a second, before any
+    learned speed moves, and a request that left unanswered (a hedge's loser)
+    keeps the evidence until the node answers again."""
+    b = balancer("tailguard", ["H100", "H100"])
+    n0, n1 = b.nodes["n0"], b.nodes["n1"]
+    # Both healthy and answering: load alternates.
+    for i in range(6):
+        t = b.pick(MODEL, 500, 0.01 * i)
+        b.on_first_token(t, 0.01 * i + 0.005)
+        b.on_finish(t, 0.01 * i + 0.006, Outcome.OK, 1)
+    assert n0.overdue_s(1.0) == n1.overdue_s(1.0) == 0.0
+    stuck = b.pick(MODEL, 500, 1.0)
+    node, peer = (n0, n1) if stuck.node_id == "n0" else (n1, n0)
+    due = stuck.due
+    assert 1.0 < due < 1.1  # twice a 500-token prompt's roofline TTFT on an H100
+    assert node.overdue_s(due) == 0.0
+    # No first token by 0.2 s past its due: later requests go to the peer,
+    # even as the peer's load grows.
+    picks = [b.pick(MODEL, 500, due + 0.2 + 0.01 * i) for i in range(5)]
+    assert node.overdue_s(due + 0.2) == pytest.approx(0.2)
+    assert {t.node_id for t in picks} == {peer.spec.id}
+    # The stuck request is cancelled (its hedge won elsewhere): still overdue.
+    b.on_finish(stuck, due + 0.3, Outcome.CLIENT_CANCELLED, 0)
+    assert node.overdue_s(due + 0.4) == pytest.approx(0.4)
+    picks.append(b.pick(MODEL, 500, due + 0.4))
+    assert picks[-1].node_id == peer.spec.id
+    # A request cancelled before its due time says nothing.
+    other = balancer("tailguard", ["H100"])
+    early = other.pick(MODEL, 500, 0.0)
+    other.on_finish(early, early.due / 2, Outcome.CLIENT_CANCELLED, 0)
+    assert other.nodes["n0"].overdue_s(10.0) == 0.0
+    # The node answers again (a first token): the stall is over, and it is
+    # priced by its load once more.
+    probe = b.take(MODEL, node.spec.id, 500, due + 0.5)
+    assert probe is not None
+    b.on_first_token(probe, due + 0.51)
+    b.on_finish(probe, due + 0.52, Outcome.OK, 1)
+    for t in picks:  # the peer decodes the six it took
+        b.on_first_token(t, due + 0.55)
+    assert node.overdue_s(due + 0.6) == peer.overdue_s(due + 0.6) == 0.0
+    assert b.pick(MODEL, 500, due + 0.6).node_id == node.spec.id

@@ -27,7 +27,15 @@ from typing import Any
 from tailguard.core import shared
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.events import Event as Event  # re-exported: drivers import it here
-from tailguard.core.fleet import OWN_MARGIN, OWN_SAMPLES, Node, NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import (
+    OVERDUE_FACTOR,
+    OWN_MARGIN,
+    OWN_SAMPLES,
+    Node,
+    NodeSpec,
+    NodeState,
+    Outcome,
+)
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
@@ -94,6 +102,7 @@ class Ticket:
         "batch_at_dispatch",
         "batch_at_first",
         "blocks",
+        "due",
         "hit_blocks",
         "id",
         "node",
@@ -126,6 +135,7 @@ class Ticket:
         self.backlog = prompt_tokens - hit
         self.t_dispatch = now
         self.t_first = -1.0
+        self.due = math.inf  # its first token is overdue after (set at dispatch: Node.overdue_s)
         self.ahead_tokens = node.fleet_backlog
         self.batch_at_dispatch = node.fleet_in_flight + 1
         self.batch_at_first = 0
@@ -494,6 +504,8 @@ class Balancer:
             ticket.work = prefill_extra_s(node.perf, ticket.backlog, running,
                                           pool.mean_prompt + pool.mean_output * 0.5)
             node.add_dispatched_work(ticket.work)
+        ticket.due = now + ticket.expected_ttft() * node.class_prefill_slowdown * OVERDUE_FACTOR
+        node.awaited.append(ticket)
         node.dispatched_total += 1
         if node.limiter is not None:
             node.limiter.acquire()
@@ -519,6 +531,7 @@ class Balancer:
             self.recorder(rec)
         node = ticket.node
         ticket.t_first = ticket.seg_t = now
+        node.progressed(now)
         ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
             node.prefilling -= 1
@@ -602,6 +615,7 @@ class Balancer:
                 node.prefill_work_s += ticket.work
             else:  # its prompt will not be computed: no longer work the node has to do
                 node.withdraw_work(ticket.work)
+                node.left_unanswered(ticket.due, now)
         else:
             node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):
@@ -610,6 +624,7 @@ class Balancer:
             self._release_permit(ticket, now, outcome, output_tokens if timed else 0)
         if outcome is not Outcome.OK:
             return
+        node.progressed(now)
         pool = ticket.pool
         if ticket.blocks and cached_tokens is not None and pool.prefix is not None:
             pool.prefix.observe(node.id, ticket.blocks, ticket.hit_blocks, cached_tokens)

@@ -167,7 +167,7 @@ class Exchange:
         node = primary.ticket.node
         cls = node.spec.gpu_class
         after = h.hedge_after(cls, self._expected(primary.ticket)) or 0.0
-        if not h.silent(node.id, now, after, cls):
+        if not h.silent(node.id, now, after, cls, node.overdue_s(now)):
             # Its node is busy answering others: look again later (a stall may begin).
             self._timer_at = now + max(after, h.config.min_after_s)
             return (ArmTimer(self._timer_at),)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +30,24 @@ OWN_MARGIN = 1.2
 # enough to hold tens of prompts at a few requests a second, short enough to follow
 # a burst or a peer's lost capacity spilling onto the node.
 DUTY_TAU_S = 5.0
+
+# A prompt is overdue (Node.overdue_s) once it has waited OVERDUE_FACTOR times its
+# expected time to first token, at its class's learned prefill speed: a node
+# whose prompts run late by less is slow, which the learner prices.
+OVERDUE_FACTOR = 2.0
+
+
+class Awaited(Protocol):
+    """What a node's overdue check reads of a dispatched request (balancer.Ticket)."""
+
+    @property
+    def due(self) -> float: ...
+    @property
+    def t_first(self) -> float: ...
+    @property
+    def released(self) -> bool: ...
+    @property
+    def presumed(self) -> bool: ...
 
 
 class Outcome(enum.Enum):
@@ -141,12 +160,14 @@ class NodeView(Protocol):
     def duty_sq(self) -> float: ...
     @property
     def remote_ratio(self) -> float: ...
+    def overdue_s(self, now: float) -> float: ...
 
 
 class Node:
     """Live state of one node. Mutated only by the balancer."""
 
     __slots__ = (
+        "awaited",
         "capacity",
         "class_decode_slowdown",
         "class_prefill_slowdown",
@@ -164,6 +185,7 @@ class Node:
         "in_flight",
         "latency",
         "limiter",
+        "owed_due",
         "own_backlog_base",
         "own_in_flight_base",
         "perf",
@@ -172,6 +194,7 @@ class Node:
         "prefill_work_s",
         "prefilling",
         "presumed_cache_hits",
+        "progress_t",
         "remote_backlog",
         "remote_in_flight",
         "remote_ratio",
@@ -226,6 +249,14 @@ class Node:
         self.duty = 0.0
         self.duty_sq = 0.0
         self.duty_t = 0.0
+        # What Node.overdue_s reads: the requests still waiting for their first
+        # token, oldest first (those that moved on are dropped when they reach
+        # the front); the earliest due time of one that left unanswered after it
+        # (a hedge's loser, a client gone: the node owed it, and the debt stands
+        # until it answers anything); the node's last first token or good finish.
+        self.awaited: deque[Awaited] = deque()
+        self.owed_due = math.inf
+        self.progress_t = 0.0
         # First tokens too fast for the node's speed with no cached-token count
         # from the engine: taken for prefix-cache hits, not learnt from.
         self.presumed_cache_hits = 0
@@ -289,6 +320,41 @@ class Node:
             self.duty *= w
             self.duty_sq *= w
             self.duty_t = now
+
+    def overdue_s(self, now: float) -> float:
+        """How long the node has been silent past its oldest waiting prompt's due
+        time: 0 while it answers (a first token or a finish since that time) or
+        nothing is overdue.
+
+        A request that left unanswered past its due time (a hedge's loser)
+        still counts until the node next answers: otherwise every hedge would
+        clear the evidence, and the router send the next request into the stall.
+        A stalled engine (a pause, a hung card, a stuck scheduler) shows here
+        within a fraction of a second, long before its learned speed or the
+        outlier detector moves: every request sent to it meanwhile waits out
+        the rest of the stall, so the router adds this to its predicted TTFT.
+        A node merely busy keeps producing first tokens and finishes; one
+        merely slow is late by less than OVERDUE_FACTOR, which its learned
+        speed prices. Only this replica's requests are seen.
+        """
+        q = self.awaited
+        while q and (q[0].t_first >= 0.0 or q[0].released or q[0].presumed):
+            q.popleft()
+        due = q[0].due if q else math.inf
+        if self.owed_due < due:
+            due = self.owed_due
+        since = due if due > self.progress_t else self.progress_t
+        return now - since if now > since else 0.0
+
+    def progressed(self, now: float) -> None:
+        """A first token or a good finish: the node is answering (Node.overdue_s)."""
+        self.progress_t = now
+        self.owed_due = math.inf
+
+    def left_unanswered(self, due: float, now: float) -> None:
+        """A request left before its first token (failed, cancelled) at ``now``."""
+        if due < now and due < self.owed_due:
+            self.owed_due = due
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

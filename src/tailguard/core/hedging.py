@@ -184,17 +184,21 @@ class Hedger:
         self._progress[node_id] = now
 
     def silent(self, node_id: str, now: float, after: float,
-               gpu_class: str | None = None) -> bool:
+               gpu_class: str | None = None, overdue: float | None = None) -> bool:
         """Whether ``node_id`` produced nothing for ``after`` seconds.
 
         With ``gpu_class``, for the class's TTFT quantile instead when it is
         known: silence is the node's property, so it is judged by one delay per
         class even when each request's own delay depends on its prompt (a short
         prompt's delay is shorter than the gaps a busy, healthy node leaves
-        between first tokens).
+        between first tokens). ``overdue``: the node's
+        :meth:`~tailguard.core.fleet.Node.overdue_s`; at 0 none of its prompts
+        is late, so a quiet node is idle or merely between answers, not stalled.
         """
         if not self.config.require_silence:
             return True
+        if overdue is not None and overdue <= 0.0:
+            return False
         if gpu_class is not None:
             q = self._ttft.get(gpu_class)
             if q is not None and len(q.samples) >= self.config.min_samples:

@@ -165,6 +165,12 @@ class TailguardPolicy:
             work = prompt - min(cached.get(n.id, 0), prompt - 1) if cached else prompt
             ttft = prefill_s(perf, n.fleet_backlog, work) * pslow + tpot
             wait = n.fleet_backlog * prefill_token_s(perf) * pslow
+            # A node silent past its oldest prompt's due time (stalled) holds a new
+            # prompt at least that much longer (Node.overdue_s).
+            late = n.overdue_s(now)
+            if late:
+                ttft += late
+                wait += late
             if batch > running:
                 # Queued in the engine: wait for (batch - running) of the running
                 # requests to finish; they complete at about running per service time.
