@@ -505,7 +505,7 @@ class Balancer:
                                           pool.mean_prompt + pool.mean_output * 0.5)
             node.add_dispatched_work(ticket.work)
         ticket.due = now + ticket.expected_ttft() * node.class_prefill_slowdown * OVERDUE_FACTOR
-        node.awaited.append(ticket)
+        node.awaits(ticket)
         node.dispatched_total += 1
         if node.limiter is not None:
             node.limiter.acquire()
@@ -748,6 +748,7 @@ class Balancer:
                 continue
             ticket.presumed = True
             node = ticket.node
+            node.left_unanswered(math.inf, now)  # no longer awaited
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1

@@ -160,6 +160,8 @@ class NodeView(Protocol):
     def duty_sq(self) -> float: ...
     @property
     def remote_ratio(self) -> float: ...
+    @property
+    def overdue_at(self) -> float: ...
     def overdue_s(self, now: float) -> float: ...
 
 
@@ -185,6 +187,7 @@ class Node:
         "in_flight",
         "latency",
         "limiter",
+        "overdue_at",
         "owed_due",
         "own_backlog_base",
         "own_in_flight_base",
@@ -257,6 +260,10 @@ class Node:
         self.awaited: deque[Awaited] = deque()
         self.owed_due = math.inf
         self.progress_t = 0.0
+        # The earliest time overdue_s can be above 0, as it last found (-inf: look
+        # again; set so whenever the front of ``awaited`` may have changed), so a
+        # policy calls it only when it can matter.
+        self.overdue_at = -math.inf
         # First tokens too fast for the node's speed with no cached-token count
         # from the engine: taken for prefix-cache hits, not learnt from.
         self.presumed_cache_hits = 0
@@ -344,17 +351,27 @@ class Node:
         if self.owed_due < due:
             due = self.owed_due
         since = due if due > self.progress_t else self.progress_t
+        self.overdue_at = since
         return now - since if now > since else 0.0
+
+    def awaits(self, req: Awaited) -> None:
+        """A request dispatched here waits for its first token (Node.overdue_s)."""
+        if not self.awaited:
+            self.overdue_at = -math.inf
+        self.awaited.append(req)
 
     def progressed(self, now: float) -> None:
         """A first token or a good finish: the node is answering (Node.overdue_s)."""
         self.progress_t = now
         self.owed_due = math.inf
+        self.overdue_at = -math.inf
 
     def left_unanswered(self, due: float, now: float) -> None:
-        """A request left before its first token (failed, cancelled) at ``now``."""
+        """A request left before its first token (failed, cancelled) at ``now``,
+        or (``due`` inf) is taken as prefilled without one."""
         if due < now and due < self.owed_due:
             self.owed_due = due
+        self.overdue_at = -math.inf
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -163,14 +163,12 @@ class TailguardPolicy:
                 check = tpot + _SPREAD_Z * math.sqrt(n.duty_sq * scale * pslow * tpot / out)
             # A prefix the node holds is prefill it need not do.
             work = prompt - min(cached.get(n.id, 0), prompt - 1) if cached else prompt
-            ttft = prefill_s(perf, n.fleet_backlog, work) * pslow + tpot
             wait = n.fleet_backlog * prefill_token_s(perf) * pslow
-            # A node silent past its oldest prompt's due time (stalled) holds a new
-            # prompt at least that much longer (Node.overdue_s).
-            late = n.overdue_s(now)
-            if late:
-                ttft += late
-                wait += late
+            if now > n.overdue_at:
+                # A node silent past its oldest prompt's due time (stalled) holds
+                # a new prompt at least that much longer (Node.overdue_s).
+                wait += n.overdue_s(now)
+            ttft = wait + prefill_s(perf, 0, work) * pslow + tpot
             if batch > running:
                 # Queued in the engine: wait for (batch - running) of the running
                 # requests to finish; they complete at about running per service time.
