@@ -39,6 +39,7 @@ from tailguard.core.fleet import (
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
+from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
 from tailguard.core.predict import (
     decode_step_s,
@@ -318,6 +319,8 @@ class Balancer:
         if model is None:
             model = self.catalog.model(FALLBACK_MODEL)
         gpu = spec.gpu or self.catalog.gpu(FALLBACK_GPU)
+        if spec.layout is not None:
+            return PipelinePerf(gpu, model, spec.tp, self.perf_params, layout=spec.layout)
         perf = PerfModel(gpu, model, spec.tp, self.perf_params)
         if not perf.fits:
             # The engine evidently runs it (quantised, offloaded...): keep the

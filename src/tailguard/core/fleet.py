@@ -19,6 +19,7 @@ from typing import Protocol
 from tailguard.core.estimate import CapacityEstimate, Ewma, PeakEwma
 from tailguard.core.hardware import GPU, PerfModel
 from tailguard.core.limits import Limiter
+from tailguard.core.pipeline import Layout
 
 # Node.decode_excess: decode samples of a node before its own speed counts, and how
 # much slower than its class's it must be (a node's own estimate moves by about 4%
@@ -111,9 +112,15 @@ class NodeSpec:
     weight: float | None = None  # declared weight, overrides the GPU prior
     url: str | None = None
     max_num_seqs: int = 256
+    # A pipeline-parallel replica's stages (core/pipeline.py); None: one stage,
+    # ``tp`` GPUs of ``gpu``.
+    layout: Layout | None = None
 
     @property
     def gpu_class(self) -> str:
+        """What the node is compared with: its GPU, or its pipeline's layout."""
+        if self.layout is not None:
+            return self.layout.name
         return self.gpu.name if self.gpu else self.gpu_name
 
 

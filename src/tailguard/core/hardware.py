@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from tailguard.errors import ConfigError
 
@@ -247,6 +247,7 @@ class PerfParams:
     allreduce_latency_s: latency of one TP all-reduce (two per layer when T > 1)
     gpu_memory_utilization: share of HBM the engine may use (vLLM default 0.9)
     activation_reserve_gb: memory kept for activations and the CUDA graph pool
+    pp_link_gbps, pp_link_latency_s: the link between pipeline stages (core/pipeline.py)
     """
 
     eta_mem: float = 0.75
@@ -256,6 +257,10 @@ class PerfParams:
     allreduce_latency_s: float = 25e-6
     gpu_memory_utilization: float = 0.90
     activation_reserve_gb: float = 1.0
+    # The link between pipeline stages (core/pipeline.py): hosts apart, 200 Gb/s
+    # HDR InfiniBand or RoCE per GPU, and one send's latency.
+    pp_link_gbps: float = 25.0
+    pp_link_latency_s: float = 10e-6
 
 
 DEFAULT_PERF = PerfParams()
@@ -268,6 +273,10 @@ class PerfModel:
     All constants are folded at construction so that :meth:`step_time` is a few
     multiplications: it runs once per simulated engine step.
     """
+
+    # Whether a run of identical decode steps follows step_time's one max() of
+    # two lines, so the engine model may time it in closed form (engine/segment.py).
+    closed_form: ClassVar[bool] = True
 
     gpu: GPU
     model: Model
@@ -306,6 +315,11 @@ class PerfModel:
         free -= p.activation_reserve_gb * GB
         cap = int(free / (m.kv_bytes_per_token / t)) if free > 0 else 0
         set_(self, "kv_capacity_tokens", cap)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs in the replica."""
+        return self.tp
 
     @property
     def fits(self) -> bool:

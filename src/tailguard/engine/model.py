@@ -723,6 +723,10 @@ class Engine:
                 raise RuntimeError("engine scheduler stalled with work pending")
             self._seg = None
             return
+        if not self.perf.closed_form:  # a pipeline: each step timed on its own
+            dt = self.perf.step_time(n_dec, ctx) / speed
+            self._seg = Segment(t, s, 1, t + dt, speed)
+            return
         # After a preemption the freed blocks may admit someone at the next boundary.
         n = 1 if preempted else self._run_length(s, nb - used)
         self._seg = Segment.decode_run(

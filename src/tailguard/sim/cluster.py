@@ -51,6 +51,7 @@ from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
 from tailguard.sim.nodes import HEALTH_INTERVAL_S, SimNode, apply_fault, health_check
@@ -109,7 +110,8 @@ class RunRecord:
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
     return [
         NodeSpec(id=p.id, gpu=p.perf.gpu, gpu_name=p.perf.gpu.name, tp=p.perf.tp, models=(model,),
-                 max_num_seqs=p.engine.max_num_seqs)
+                 max_num_seqs=p.engine.max_num_seqs,
+                 layout=p.perf.layout if isinstance(p.perf, PipelinePerf) else None)
         for p in plans
     ]
 

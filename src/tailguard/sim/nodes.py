@@ -63,7 +63,7 @@ class SimNode:
 
     def gpu_cause(self) -> tuple[str, str]:
         """What simulated GPU telemetry (DCGM) would say: (cause kind, text)."""
-        tp = self.plan.perf.tp
+        tp = self.plan.perf.gpus
         if self.ranks:
             k, f = min(self.ranks.items(), key=lambda kv: kv[1])
             of = f" of {tp}" if tp > 1 else ""

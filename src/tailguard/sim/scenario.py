@@ -10,6 +10,8 @@ A scenario is YAML (see README "Scenario format")::
     fleet:
       - {gpu: H100-SXM, count: 2}
       - {gpu: A100-80GB, count: 4, tp: 1, engine: {max_num_seqs: 128, max_num_batched_tokens: 4096}}
+      - {gpu: A100-80GB, tp: 2, pp: 2, split: even}         # pipeline of two TP-2 stages
+      - {stages: [{gpu: H100-SXM}, {gpu: A100-80GB}], split: speed, overlap: true}
     workload: {duration_s: 600, warmup_s: 60, arrival: {process: poisson, load: 0.8}, ...}
     faults:
       - {node: "L4#3", kind: throttle, factor: 0.4, at_s: 120, duration_s: 300}
@@ -18,7 +20,8 @@ A scenario is YAML (see README "Scenario format")::
 
 Every value is checked; an error names the field and the allowed values and
 is raised as :class:`tailguard.errors.ConfigError`. Node ids are ``GPU#i``,
-numbered per GPU type from 0 in fleet order.
+numbered per GPU type from 0 in fleet order; a pipeline's are its layout's
+name (``A100-80GB-PP2#0``, ``H100-SXM+A100-80GB#0``: core/pipeline.py).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from typing import Any
 
 from tailguard.config_file import check_keys, read_yaml, require_mapping
 from tailguard.core.admission import AdmissionConfig, parse_admission
-from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfModel
+from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.pipeline import Layout, PipelinePerf, StageSpec
 from tailguard.core.policies import Slo, policy_names
 from tailguard.core_options import parse_hedging, parse_outliers
 from tailguard.engine import EngineConfig
@@ -45,11 +49,23 @@ FAULT_KINDS = ("throttle", "stall", "crash", "error_rate", "slow_network")
 
 @dataclass(frozen=True, slots=True)
 class FleetGroup:
-    gpu: str
+    gpu: str  # the GPU, or the pipeline layout's name
     count: int
     tp: int
     engine: EngineConfig
     speed_spread: float = 0.0
+    layout: Layout | None = None  # a pipeline-parallel replica's stages
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per replica."""
+        return self.layout.gpus if self.layout is not None else self.tp
+
+    def perf(self, catalog: Catalog, model: Model) -> PerfModel:
+        if self.layout is not None:
+            first = self.layout.stages[0]
+            return PipelinePerf(first.gpu, model, first.tp, layout=self.layout)
+        return PerfModel(catalog.gpu(self.gpu), model, self.tp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +137,14 @@ class Scenario:
         out: list[NodePlan] = []
         model = self.catalog.model(self.model)
         for gi, g in enumerate(self.fleet):
-            gpu = self.catalog.gpu(g.gpu)
-            perf = PerfModel(gpu, model, g.tp)
+            perf = g.perf(self.catalog, model)
             for _ in range(g.count):
-                i = counters.get(gpu.name, 0)
-                counters[gpu.name] = i + 1
+                i = counters.get(g.gpu, 0)
+                counters[g.gpu] = i + 1
                 speed = 1.0
                 if g.speed_spread > 0:
                     speed = 1.0 + rng.uniform(-g.speed_spread, g.speed_spread)
-                out.append(NodePlan(f"{gpu.name}#{i}", gi, perf, g.engine, speed))
+                out.append(NodePlan(f"{g.gpu}#{i}", gi, perf, g.engine, speed))
         return out
 
 
@@ -161,6 +176,56 @@ def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = 
     if value < minimum:
         raise ConfigError(f"{where}.{key}", f"must be >= {minimum}, got {value!r}")
     return value
+
+
+def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | None:
+    """A fleet entry's pipeline (``pp`` stages of ``tp`` x ``gpu``, or ``stages``);
+    None for a replica of one stage."""
+    has_stages, pp = "stages" in g, integer(g, "pp", w, 1)
+    if not has_stages and pp == 1:
+        for key in ("split", "overlap", "microbatches", "link_gbps"):
+            if key in g:
+                raise ConfigError(f"{w}.{key}", "applies to a pipeline: set pp or stages")
+        return None
+    if has_stages:
+        for key in ("gpu", "tp", "pp"):
+            if key in g:
+                raise ConfigError(f"{w}.{key}", "give it per stage, under stages")
+        raw = g["stages"]
+        if not isinstance(raw, list) or not raw:
+            raise ConfigError(f"{w}.stages", "must be a non-empty list of {gpu, tp}")
+        stages = []
+        for j, item in enumerate(raw):
+            sw = f"{w}.stages[{j}]"
+            st = require_mapping(item, sw)
+            check_keys(st, ("gpu", "tp"), sw)
+            if "gpu" not in st:
+                raise ConfigError(f"{sw}.gpu", "is required", [x.name for x in catalog.gpus])
+            stages.append(StageSpec(catalog.gpu(str(st["gpu"]), f"{sw}.gpu"),
+                                    integer(st, "tp", sw, 1)))
+    else:
+        if "gpu" not in g:
+            raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
+        one = StageSpec(catalog.gpu(str(g["gpu"]), f"{w}.gpu"), integer(g, "tp", w, 1))
+        stages = [one] * pp
+    split: str | tuple[int, ...] = "speed"
+    raw_split = g.get("split", "speed")
+    if isinstance(raw_split, list):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in raw_split):
+            raise ConfigError(f"{w}.split", f"must be even, speed or layers per stage, "
+                              f"got {raw_split!r}")
+        split = tuple(raw_split)
+    elif raw_split in ("even", "speed"):
+        split = str(raw_split)
+    else:
+        raise ConfigError(f"{w}.split", f"must be even, speed or layers per stage, "
+                          f"got {raw_split!r}")
+    overlap = g.get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"{w}.overlap", "must be true or false")
+    link = number(g, "link_gbps", w, 0.0, positive=False, minimum=0.0)
+    return Layout(tuple(stages), split, integer(g, "microbatches", w, 0, minimum=0), overlap,
+                  link)
 
 
 def parse_slo(raw: Any, where: str = "slo") -> Slo:
@@ -302,24 +367,31 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     for i, item in enumerate(fleet_raw):
         w = f"fleet[{i}]"
         g = require_mapping(item, w)
-        check_keys(g, ("gpu", "count", "tp", "engine", "speed_spread"), w)
-        if "gpu" not in g:
-            raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
-        gpu = catalog.gpu(str(g["gpu"]), f"{w}.gpu")
-        tp = integer(g, "tp", w, 1)
-        perf = PerfModel(gpu, model, tp)
-        if not perf.fits:
-            raise ConfigError(
-                f"{w}.gpu",
-                f"{model.name} does not fit on {tp} x {gpu.name} ({gpu.mem_gb:g} GB each): "
-                f"it needs about {perf.memory_needed_gb:.0f} GB per GPU; raise tp or pick a "
-                "larger GPU",
-            )
+        check_keys(g, ("gpu", "count", "tp", "pp", "stages", "split", "overlap",
+                       "microbatches", "link_gbps", "engine", "speed_spread"), w)
+        layout = parse_layout(g, w, catalog)
+        if layout is not None:
+            name, tp = layout.name, layout.stages[0].tp
+        else:
+            if "gpu" not in g:
+                raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
+            name, tp = catalog.gpu(str(g["gpu"]), f"{w}.gpu").name, integer(g, "tp", w, 1)
         spread = number(g, "speed_spread", w, 0.0, positive=False, minimum=0.0)
         if spread >= 1.0:
             raise ConfigError(f"{w}.speed_spread", "must be < 1 (e.g. 0.1 for +-10%)")
-        groups.append(FleetGroup(gpu.name, integer(g, "count", w, 1), tp,
-                                 parse_engine(g.get("engine"), f"{w}.engine"), spread))
+        group = FleetGroup(name, integer(g, "count", w, 1), tp,
+                           parse_engine(g.get("engine"), f"{w}.engine"), spread, layout)
+        try:
+            perf = group.perf(catalog, model)
+        except ConfigError as exc:
+            raise ConfigError(f"{w}.{exc.field}", exc.message) from None
+        if not perf.fits:
+            raise ConfigError(
+                f"{w}.gpu" if layout is None else f"{w}.stages",
+                f"{model.name} does not fit on {group.gpus} x {name}: it needs about "
+                f"{perf.memory_needed_gb:.0f} GB per GPU; raise tp or pp, or pick larger GPUs",
+            )
+        groups.append(group)
     if "workload" not in m:
         raise ConfigError("workload", "is required")
     workload = parse_workload(require_mapping(m["workload"], "workload"), "workload", base_dir)
@@ -327,7 +399,7 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
                         parse_policies(m.get("policies")), catalog)
     planned = scenario.nodes()
     ids = [n.id for n in planned]
-    faults = parse_faults(m.get("faults"), ids, gpus={n.id: n.perf.tp for n in planned})
+    faults = parse_faults(m.get("faults"), ids, gpus={n.id: n.perf.gpus for n in planned})
     telemetry = m.get("gpu_telemetry", False)
     if not isinstance(telemetry, bool):
         raise ConfigError("gpu_telemetry", "must be true or false")
