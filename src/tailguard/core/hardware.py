@@ -282,6 +282,11 @@ class PerfModel:
     model: Model
     tp: int = 1
     params: PerfParams = DEFAULT_PERF
+    # Each GPU's speed (index -> factor; a throttled rank): every rank waits for
+    # the slowest at each all-reduce, so its GPU-side work (weights, KV, FLOPs,
+    # kernel launches) takes 1/factor longer; the host's step overhead and the
+    # link's transfers do not (see slowed()).
+    gpu_speed: tuple[tuple[int, float], ...] = ()
     # derived, per-second coefficients (filled in __post_init__)
     weight_s: float = field(init=False)  # time to stream the weights once
     kv_s: float = field(init=False)  # time to read one cached token's KV
@@ -295,14 +300,15 @@ class PerfModel:
         g, m, t, p = self.gpu, self.model, self.tp, self.params
         if t < 1:
             raise ConfigError("tp", "must be >= 1")
-        bw = p.eta_mem * g.mem_bw_gbps * GB
-        fl = p.eta_compute * g.tflops * 1e12
+        slow = min((f for _, f in self.gpu_speed), default=1.0)
+        bw = p.eta_mem * g.mem_bw_gbps * GB * slow
+        fl = p.eta_compute * g.tflops * 1e12 * slow
         set_ = object.__setattr__
         set_(self, "weight_s", m.weight_bytes / t / bw)
         set_(self, "kv_s", m.kv_bytes_per_token / t / bw)
         set_(self, "token_flop_s", 2.0 * m.params / t / fl)
         set_(self, "attn_flop_s", 4.0 * m.layers * m.hidden / t / fl)
-        fixed = p.step_overhead_s + p.layer_overhead_s * m.layers
+        fixed = p.step_overhead_s + p.layer_overhead_s * m.layers / slow
         ar_tok = 0.0
         if t > 1:
             fixed += 2 * m.layers * p.allreduce_latency_s
@@ -320,6 +326,11 @@ class PerfModel:
     def gpus(self) -> int:
         """GPUs in the replica."""
         return self.tp
+
+    def slowed(self, gpu_speed: Mapping[int, float]) -> PerfModel:
+        """The same replica with GPU ``i`` at ``gpu_speed[i]`` of its speed (empty:
+        all at full speed)."""
+        return replace(self, gpu_speed=tuple(sorted(gpu_speed.items())))
 
     @property
     def fits(self) -> bool:

@@ -108,11 +108,13 @@ class _Stage:
         return (mem if mem > comp else comp) + self.fixed_s + self.allreduce_token_s * tokens
 
 
-def _stage(gpu: GPU, tp: int, layers: int, model: Model, p: PerfParams) -> _Stage:
+def _stage(gpu: GPU, tp: int, layers: int, model: Model, p: PerfParams,
+           speed: float = 1.0) -> _Stage:
+    """Stage coefficients; ``speed``: its slowest GPU's (PerfModel.gpu_speed)."""
     frac = layers / model.layers
-    bw = p.eta_mem * gpu.mem_bw_gbps * GB
-    fl = p.eta_compute * gpu.tflops * 1e12
-    fixed = p.layer_overhead_s * layers
+    bw = p.eta_mem * gpu.mem_bw_gbps * GB * speed
+    fl = p.eta_compute * gpu.tflops * 1e12 * speed
+    fixed = p.layer_overhead_s * layers / speed
     ar_tok = 0.0
     if tp > 1:
         fixed += 2 * layers * p.allreduce_latency_s
@@ -213,11 +215,16 @@ class PipelinePerf(PerfModel):
         if not lay.stages:
             raise ConfigError("stages", "a pipeline needs at least one stage")
         layers = split_layers(lay, m, p)
-        stages = tuple(_stage(s.gpu, s.tp, n, m, p)
-                       for s, n in zip(lay.stages, layers, strict=True))
+        # GPUs are numbered stage by stage; a stage runs at its slowest one's speed.
+        speed = dict(self.gpu_speed)
+        stages, first = [], 0
+        for st, n in zip(lay.stages, layers, strict=True):
+            slow = min((speed.get(i, 1.0) for i in range(first, first + st.tp)), default=1.0)
+            stages.append(_stage(st.gpu, st.tp, n, m, p, slow))
+            first += st.tp
         set_ = object.__setattr__
         set_(self, "layers", layers)
-        set_(self, "_stages", stages)
+        set_(self, "_stages", tuple(stages))
         mb = lay.microbatches or len(stages)
         link = (lay.link_gbps or p.pp_link_gbps) * GB
         send = 0.0 if lay.overlap or len(stages) == 1 else m.hidden * 2.0 / link

@@ -206,13 +206,7 @@ class Engine:
         self._max_tokens = cfg.max_num_batched_tokens
         self._chunked = cfg.enable_chunked_prefill
         self._speed = speed
-        # Roofline coefficients, copied for the decode-run formula.
-        self._weight_s = perf.weight_s
-        self._kv_s = perf.kv_s
-        self._tok_s = perf.token_flop_s
-        self._attn_s = perf.attn_flop_s
-        self._fixed_s = perf.fixed_s
-        self._ar_s = perf.allreduce_token_s
+        self._copy_coefficients(perf)
 
         self._now = -math.inf
         self._steps = 0  # steps completed since construction
@@ -316,6 +310,24 @@ class Engine:
         r.state = _GONE
         self._update_next()
         return True
+
+    def _copy_coefficients(self, perf: PerfModel) -> None:
+        # Roofline coefficients, copied for the decode-run formula.
+        self._weight_s = perf.weight_s
+        self._kv_s = perf.kv_s
+        self._tok_s = perf.token_flop_s
+        self._attn_s = perf.attn_flop_s
+        self._fixed_s = perf.fixed_s
+        self._ar_s = perf.allreduce_token_s
+
+    def set_perf(self, perf: PerfModel, now: float) -> None:
+        """Step times from ``perf`` (the same replica with a GPU slowed or restored,
+        PerfModel.slowed) from the next step boundary on; its KV capacity is kept."""
+        self._bring_to(now)
+        self._truncate()
+        self.perf = perf
+        self._copy_coefficients(perf)
+        self._update_next()
 
     def set_speed(self, factor: float, now: float) -> None:
         """Scale step times by ``1/factor`` from the next step boundary on."""

@@ -6,9 +6,11 @@ and its fault state. :func:`apply_fault` starts or ends one scenario fault
 on a node; what a fault does:
 
 ``throttle``      the engine runs at ``factor`` times its speed; with ``gpu_index``
-                  one GPU of a TP replica does, and the replica, whose every step
-                  waits for its slowest rank, runs at the slowest rank's factor
-                  (throttles of the whole replica multiply with it)
+                  one GPU of a TP or PP replica does: every step waits for the
+                  slowest rank (of its stage, in a pipeline), whose GPU-side work
+                  takes 1/factor longer while the host's overhead and the links'
+                  transfers do not (PerfModel.slowed); throttles of the whole
+                  replica multiply with it
 ``stall``         the engine pauses for ``pause_s`` (repeated every ``period_s``)
 ``crash``         every request held fails, new ones fail to connect, until it ends
 ``error_rate``    that share of requests is answered with a 5xx at once
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 from tailguard.core.balancer import Balancer
 from tailguard.core.fleet import NodeState
+from tailguard.core.hardware import PerfModel
 from tailguard.engine import FAILED, Engine
 from tailguard.sim.scenario import Fault, NodePlan
 
@@ -57,9 +60,14 @@ class SimNode:
 
     @property
     def speed(self) -> float:
-        """The replica's speed: its own throttle times its slowest rank's."""
-        slowest = min(self.ranks.values()) if self.ranks else 1.0
-        return self.base_speed * self.throttle * slowest
+        """The replica's speed factor on whole steps: its card's spread times its
+        own throttle (a throttled rank changes its step model instead: ``perf``)."""
+        return self.base_speed * self.throttle
+
+    @property
+    def perf(self) -> PerfModel:
+        """Its step model, with its throttled GPUs slowed."""
+        return self.plan.perf.slowed(self.ranks) if self.ranks else self.plan.perf
 
     def gpu_cause(self) -> tuple[str, str]:
         """What simulated GPU telemetry (DCGM) would say: (cause kind, text)."""
@@ -104,11 +112,13 @@ def apply_fault(f: Fault, ending: bool, ns: SimNode, now: float, failed: Failed,
     if f.kind == "throttle":
         if f.gpu_index is None:
             ns.throttle = 1.0 if ending else f.factor
-        elif ending:
+            eng.set_speed(ns.speed, now)
+            return
+        if ending:
             ns.ranks.pop(f.gpu_index, None)
         else:
             ns.ranks[f.gpu_index] = f.factor
-        eng.set_speed(ns.speed, now)
+        eng.set_perf(ns.perf, now)
     elif f.kind == "stall":
         if not ending:
             eng.stall(f.pause_s, now)
