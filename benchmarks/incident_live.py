@@ -17,6 +17,12 @@ node's share then, and the detector's events. Everything runs in one process:
 the event loop's worst lag is printed too (a stalled loop delays tokens, which
 no engine caused). Asserts nothing.
 
+Issue 16's live checks use the same run: ``--tp 2 --gpu-index 1 --dcgm``
+throttles one GPU of the victim's TP-2 replica and scrapes every node's DCGM
+page, so the events name the GPU (``detected after``: the victim's first
+degraded or quarantined event after its fault began); ``--throttle-s 0`` runs
+without a fault (a healthy soak: every degraded or quarantined event is false).
+
     python benchmarks/incident_live.py [--policies tailguard,tailguard+limits,least_request]
         [--fleet H100-SXM:2,A100-80GB:2,L4:2,T4:2] [--load 0.7] [--duration 80] [--json F]
 """
@@ -54,8 +60,8 @@ def parse_fleet_arg(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def build_nodes(fleet: list[tuple[str, int]], model: str, slow: tuple[str, float] | None
-                ) -> tuple[list[EmulatedNode], str, str | None]:
+def build_nodes(fleet: list[tuple[str, int]], model: str, slow: tuple[str, float] | None,
+                tp: int = 1) -> tuple[list[EmulatedNode], str, str | None]:
     """The emulated nodes, the node to throttle (first of the fastest class) and the
     permanently slow one."""
     nodes, slow_id = [], None
@@ -65,9 +71,9 @@ def build_nodes(fleet: list[tuple[str, int]], model: str, slow: tuple[str, float
             speed = 1.0
             if slow is not None and gpu == slow[0] and i == count - 1 and slow_id is None:
                 speed, slow_id = 1.0 / slow[1], nid
-            nodes.append(EmulatedNode(nid, gpu, models=(model,), speed=speed))
+            nodes.append(EmulatedNode(nid, gpu, models=(model,), speed=speed, tp=tp))
     m = DEFAULT_CATALOG.model(model)
-    fastest = min(fleet, key=lambda g: PerfModel(DEFAULT_CATALOG.gpu(g[0]), m).decode_step(8, 3000))
+    fastest = min(fleet, key=lambda g: PerfModel(DEFAULT_CATALOG.gpu(g[0]), m, tp).decode_step(8, 3000))
     victim = next(n.id for n in nodes if n.gpu == fastest[0])
     return nodes, victim, slow_id
 
@@ -104,21 +110,24 @@ async def one_run(policy: str, args: argparse.Namespace, fleet: list[tuple[str, 
     if args.slow:
         gpu, _, factor = args.slow.partition(":")
         slow = (DEFAULT_CATALOG.gpu(gpu).name, float(factor or 1.4))
-    nodes, victim, slow_id = build_nodes(fleet, args.model, slow)
+    nodes, victim, slow_id = build_nodes(fleet, args.model, slow, args.tp)
     gpu_of = {n.id: n.gpu for n in nodes}
     events: list[tuple[float, str, str, str]] = []
     lags: list[float] = []
     async with run_emulator(nodes, host="127.0.0.1") as emu:
         gw_fleet = parse_fleet({
             "listen": "127.0.0.1:0",
-            "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": n.gpu, "models": [args.model]}
+            "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": n.gpu, "tp": args.tp,
+                       "models": [args.model],
+                       **({"dcgm_url": emu.urls[n.id] + "/dcgm"} if args.dcgm else {})}
                       for n in nodes],
             "pools": {args.model: pool_config(policy, slo)},
         })
         async with run_gateway(gw_fleet, host="127.0.0.1", port=0) as gw:
             t0 = time.monotonic()
             gw.fleet.event_listeners.append(
-                lambda ev: events.append((time.monotonic() - t0, ev.node, ev.state, ev.reason))
+                lambda ev: events.append((time.monotonic() - t0, ev.node, ev.state, ev.reason,
+                                          ev.cause))
                 if ev.kind == "state" else None)
             gen = LoadGenerator(BenchConfig(
                 gw.url, model=args.model, rate=rate, duration_s=args.duration,
@@ -127,9 +136,14 @@ async def one_run(policy: str, args: argparse.Namespace, fleet: list[tuple[str, 
                 slo=slo, ignore_eos=True, drain_s=30.0, seed=args.seed, label=policy))
 
             async def throttle() -> None:
+                if args.throttle_s <= 0:
+                    return
                 await asyncio.sleep(args.throttle_at)
-                emu.server(victim).inject(parse_fault(
-                    {"kind": "throttle", "factor": args.factor, "duration_s": args.throttle_s}))
+                fault: dict[str, Any] = {"kind": "throttle", "factor": args.factor,
+                                         "duration_s": args.throttle_s}
+                if args.gpu_index is not None:
+                    fault["gpu_index"] = args.gpu_index
+                emu.server(victim).inject(parse_fault(fault))
 
             tasks = [asyncio.ensure_future(throttle()), asyncio.ensure_future(lag_probe(lags))]
             try:
@@ -163,7 +177,15 @@ async def one_run(policy: str, args: argparse.Namespace, fleet: list[tuple[str, 
                                                  / max(1, len(during)), 4),
         "peer_tpot_p99_over_slo": round(float(np.percentile(peer_tpots, 99)) / slo.tpot_s, 3)
         if peer_tpots else None,
-        "events": [(round(t, 1), n, s, why) for t, n, s, why in events],
+        "events": [(round(t, 1), n, s, why, cause) for t, n, s, why, cause in events],
+        # The victim's first degraded or quarantined event after its fault began, and
+        # every other one (a healthy node flagged, or the victim before its fault).
+        "detected_s": next((round(t - start, 1) for t, n, s, _, _ in events
+                            if n == victim and t >= start and args.throttle_s > 0
+                            and s in ("degraded", "quarantined")), None),
+        "false_detections": sum(1 for t, n, s, _, _ in events
+                                if s in ("degraded", "quarantined")
+                                and (n != victim or t < start or args.throttle_s <= 0)),
         "loop_lag_max_s": round(max(lags), 3) if lags else None,
         # Every answered request that missed: arrival, node, TTFT, TPOT, tokens in and out.
         "misses": [(round(r.arrival, 2), r.node, round(r.first - r.arrival, 3), round(tpot(r), 4),
@@ -175,19 +197,21 @@ def report(res: dict[str, Any]) -> str:
     cls = ", ".join(f"{g} {c['share']:.1%} at {c['attainment']:.3f} (misses: TTFT "
                     f"{c['ttft_misses']}, TPOT {c['tpot_misses']})"
                     for g, c in res["classes"].items())
-    evs = "; ".join(f"{t:.0f}s {n} {s}" for t, n, s, _ in res["events"]) or "none"
+    evs = "; ".join(f"{t:.0f}s {n} {s}" + (f" ({cause})" if cause else "")
+                    for t, n, s, _, cause in res["events"]) or "none"
     return (f"{res['policy']}: attainment {res['slo_attainment']:.4f} of {res['requests']} "
             f"({res['failed']} failed), TTFT p99 {res['ttft_p99_s']:.2f} s, TPOT p99 "
             f"{res['tpot_p99_s'] * 1000:.0f} ms\n  classes: {cls}\n  while {res['victim']} was "
             f"throttled: its share {res['victim_share_during']:.1%}, {res['peer']}'s "
             f"{res['peer_share_during']:.1%} at TPOT p99 {res['peer_tpot_p99_over_slo']}x the "
-            f"SLO\n  events: {evs}\n  loop lag max {res['loop_lag_max_s']} s")
+            f"SLO\n  events: {evs}\n  victim detected after {res['detected_s']} s; false "
+            f"detections {res['false_detections']}\n  loop lag max {res['loop_lag_max_s']} s")
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     fleet = parse_fleet_arg(args.fleet)
     slo = Slo(ttft_s=args.ttft, tpot_s=args.tpot)
-    bound = capacity_bound(args.model, slo, fleet, INPUT, OUTPUT)
+    bound = capacity_bound(args.model, slo, fleet, INPUT, OUTPUT, args.tp)
     rate = args.load * bound
     print(f"{args.fleet} serving {args.model}: SLO capacity bound {bound:.1f} req/s, offering "
           f"{rate:.1f} ({args.load:g}x) for {args.duration:.0f} s; throttle {args.factor:g}x at "
@@ -214,6 +238,10 @@ def main() -> None:
     ap.add_argument("--throttle-at", type=float, default=25.0)
     ap.add_argument("--throttle-s", type=float, default=30.0)
     ap.add_argument("--factor", type=float, default=1.0 / 3.0)
+    ap.add_argument("--tp", type=int, default=1, help="GPUs per emulated replica")
+    ap.add_argument("--gpu-index", type=int, help="throttle this GPU of the victim only")
+    ap.add_argument("--dcgm", action="store_true",
+                    help="scrape each emulated node's DCGM page (events name the GPU)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()

@@ -11,17 +11,29 @@ dataclass, type-checked, unknown keys refused::
 a scenario's top-level key and a fleet file's per-pool key::
 
     hedging: {enabled: true, quantile: 0.95, budget: 0.05}   # or after_s: 0.5 (fixed)
+
+A replica's pipeline (:class:`~tailguard.core.pipeline.Layout`) is a key set of
+a scenario's fleet entry and of a fleet file's node::
+
+    {gpu: A100-80GB, tp: 2, pp: 2, split: even}
+    {stages: [{gpu: H100-SXM}, {gpu: A100-80GB}], split: speed, overlap: true}
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
 from tailguard.config_file import check_keys, require_mapping
+from tailguard.core.hardware import Catalog
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.pipeline import Layout, StageSpec
 from tailguard.errors import ConfigError
+
+# The keys a pipeline adds to a fleet entry or node (besides gpu and tp).
+PIPELINE_KEYS = ("pp", "stages", "split", "overlap", "microbatches", "link_gbps")
 
 
 def parse_dataclass_options(raw: Any, where: str, cls: Any, default: Any) -> Any:
@@ -69,3 +81,63 @@ def parse_hedging(raw: Any, where: str = "hedging") -> HedgeConfig:
     if cfg.burst < 1.0:
         raise ConfigError(f"{where}.burst", "must be >= 1 (one hedge)")
     return cfg
+
+
+def _count(m: Mapping[str, Any], key: str, where: str, default: int, minimum: int = 1) -> int:
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}.{key}", f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | None:
+    """A fleet entry's pipeline (``pp`` stages of ``tp`` x ``gpu``, or ``stages``);
+    None for a replica of one stage. Scenario fleets and ``tailguard serve``'s
+    nodes spell it alike (``PIPELINE_KEYS``)."""
+    has_stages, pp = "stages" in g, _count(g, "pp", w, 1)
+    if not has_stages and pp == 1:
+        for key in ("split", "overlap", "microbatches", "link_gbps"):
+            if key in g:
+                raise ConfigError(f"{w}.{key}", "applies to a pipeline: set pp or stages")
+        return None
+    if has_stages:
+        for key in ("gpu", "tp", "pp"):
+            if key in g:
+                raise ConfigError(f"{w}.{key}", "give it per stage, under stages")
+        raw = g["stages"]
+        if not isinstance(raw, list) or not raw:
+            raise ConfigError(f"{w}.stages", "must be a non-empty list of {gpu, tp}")
+        stages = []
+        for j, item in enumerate(raw):
+            sw = f"{w}.stages[{j}]"
+            st = require_mapping(item, sw)
+            check_keys(st, ("gpu", "tp"), sw)
+            if "gpu" not in st:
+                raise ConfigError(f"{sw}.gpu", "is required", [x.name for x in catalog.gpus])
+            stages.append(StageSpec(catalog.gpu(str(st["gpu"]), f"{sw}.gpu"),
+                                    _count(st, "tp", sw, 1)))
+    else:
+        if "gpu" not in g:
+            raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
+        one = StageSpec(catalog.gpu(str(g["gpu"]), f"{w}.gpu"), _count(g, "tp", w, 1))
+        stages = [one] * pp
+    split: str | tuple[int, ...] = "speed"
+    raw_split = g.get("split", "speed")
+    if isinstance(raw_split, list):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in raw_split):
+            raise ConfigError(f"{w}.split", f"must be even, speed or layers per stage, "
+                              f"got {raw_split!r}")
+        split = tuple(raw_split)
+    elif raw_split in ("even", "speed"):
+        split = str(raw_split)
+    else:
+        raise ConfigError(f"{w}.split", f"must be even, speed or layers per stage, "
+                          f"got {raw_split!r}")
+    overlap = g.get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"{w}.overlap", "must be true or false")
+    link = g.get("link_gbps", 0.0)
+    if isinstance(link, bool) or not isinstance(link, int | float) or link < 0:
+        raise ConfigError(f"{w}.link_gbps", f"must be a number >= 0 (GB/s), got {link!r}")
+    return Layout(tuple(stages), split, _count(g, "microbatches", w, 0, minimum=0), overlap,
+                  float(link))

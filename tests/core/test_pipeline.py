@@ -141,3 +141,25 @@ def test_pipeline_entries_are_checked() -> None:
     raw["faults"][0]["gpu_index"] = 4
     with pytest.raises(ConfigError, match="gpu_index"):
         parse_scenario(raw)
+
+
+def test_a_fleet_files_pipeline_node_reaches_the_router_and_recordings() -> None:
+    from tailguard.core.record import from_jsonable, spec_to_dict
+    from tailguard.gateway.config import parse_node
+
+    node = parse_node({"id": "p0", "url": "http://127.0.0.1:9", "models": ["qwen2.5-32b"],
+                       "stages": [{"gpu": "H100"}, {"gpu": "A100"}], "split": [36, 28]},
+                      "nodes[0]")
+    spec = node.spec()
+    assert node.gpu == spec.gpu_class == "H100-SXM+A100-80GB"
+    # A recording's node comes back the same, its split a list read back as layers.
+    back = from_jsonable(NodeSpec, spec_to_dict(spec))
+    b = Balancer([back], [PoolConfig("qwen2.5-32b")], random.Random(1))
+    perf = b.nodes["p0"].perf
+    assert isinstance(perf, PipelinePerf) and perf.layers == (36, 28)
+    with pytest.raises(ConfigError, match=r"nodes\[0\]\.tp: give it per stage"):
+        parse_node({"id": "p0", "url": "http://127.0.0.1:9", "models": ["m"], "tp": 2,
+                    "stages": [{"gpu": "H100"}]}, "nodes[0]")
+    pp = parse_node({"id": "p1", "url": "http://127.0.0.1:9", "models": ["m"], "gpu": "A100",
+                     "tp": 2, "pp": 2}, "nodes[1]")
+    assert pp.gpu == "2xA100-80GB-PP2" and pp.layout is not None and pp.layout.gpus == 4

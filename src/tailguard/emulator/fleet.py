@@ -104,6 +104,10 @@ def _option(opts: Mapping[str, Any], defaults: Mapping[str, Any], key: str, wher
 def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
                   port: int = 0) -> EmulatedNode:
     """The emulation of one fleet node (any URL; the caller picks the local ones)."""
+    if n.layout is not None:
+        raise ConfigError(f"{where}.stages" if len({s.gpu for s in n.layout.stages}) > 1
+                          else f"{where}.pp", "the emulator does not emulate pipeline-parallel "
+                          "replicas yet (tailguard sim does; the gateway routes to real ones)")
     defaults: Mapping[str, Any] = fleet.emulator if fleet is not None else {}
     opts = n.emulator
     for key in opts:

@@ -56,9 +56,10 @@ from tailguard.core.hardware import DEFAULT_CATALOG, GPU, Catalog
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.pipeline import Layout
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
 from tailguard.core.retry_budget import RetryConfig
-from tailguard.core_options import parse_hedging, parse_outliers
+from tailguard.core_options import PIPELINE_KEYS, parse_hedging, parse_layout, parse_outliers
 from tailguard.errors import ConfigError
 from tailguard.gateway.discovery_config import KubernetesDiscoveryConfig, parse_discovery
 from tailguard.gateway.shared_state_config import SharedStateConfig, parse_shared_state
@@ -74,7 +75,7 @@ FLEET_KEYS = ("listen", "nodes", "pools", "discovery", "shared_state", "admin", 
               "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog",
               "outliers", "remediation", "client")
 NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
-             "api_key_env", "dcgm_url", "faults", "emulator")
+             "api_key_env", "dcgm_url", "faults", "emulator", *PIPELINE_KEYS)
 POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries", "limits",
              "admission", "hedging")
 
@@ -137,12 +138,13 @@ class NodeConfig:
     dcgm_url: str | None = None  # the node's DCGM exporter page (gateway/dcgm.py)
     faults: tuple[Mapping[str, Any], ...] = ()  # raw, for the emulator
     emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
+    layout: Layout | None = None  # a pipeline-parallel replica's stages (core/pipeline.py)
 
     def spec(self) -> NodeSpec:
         """The decision core's view of this node."""
         return NodeSpec(id=self.id, gpu=self.gpu_spec, gpu_name=self.gpu, tp=self.tp,
                         models=self.models, labels=dict(self.labels), weight=self.weight,
-                        url=self.url, max_num_seqs=self.max_num_seqs)
+                        url=self.url, max_num_seqs=self.max_num_seqs, layout=self.layout)
 
     @property
     def host(self) -> str:
@@ -479,11 +481,12 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
     if not isinstance(node_id, str) or not node_id or any(c.isspace() for c in node_id):
         raise ConfigError(f"{where}.id", f"must be a non-empty string without spaces, got {node_id!r}")
     url = parse_url(m.get("url"), f"{where}.url")
-    gpu = m.get("gpu")
+    layout = parse_layout(m, where, catalog)
+    gpu = layout.name if layout is not None else m.get("gpu")
     if not isinstance(gpu, str) or not gpu:
         raise ConfigError(f"{where}.gpu", "is required (a GPU name such as H100, A100, L4)",
                           [g.name for g in catalog.gpus])
-    gpu_spec = catalog.find_gpu(gpu)
+    gpu_spec = catalog.find_gpu(gpu) if layout is None else layout.stages[0].gpu
     if gpu_spec is None and warnings is not None:
         warnings.append(f"{where}.gpu: unknown GPU {gpu!r}; its capacity will be learned from "
                         "measurements (known: " + ", ".join(g.name for g in catalog.gpus) + ")")
@@ -518,10 +521,10 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
         dcgm_url = parse_url(dcgm_url, f"{where}.dcgm_url")
     return NodeConfig(
         id=node_id, url=url, gpu=gpu, gpu_spec=gpu_spec, models=tuple(models_raw),
-        tp=_integer(m, "tp", where, 1), engine=engine,
+        tp=_integer(m, "tp", where, 1) if layout is None else layout.stages[0].tp, engine=engine,
         labels={str(k): str(v) for k, v in labels.items()}, weight=weight,
         max_num_seqs=_integer(m, "max_num_seqs", where, 256), api_key_env=api_key_env,
-        dcgm_url=dcgm_url, faults=faults, emulator=dict(emulator),
+        dcgm_url=dcgm_url, faults=faults, emulator=dict(emulator), layout=layout,
     )
 
 

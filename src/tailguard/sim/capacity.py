@@ -124,13 +124,14 @@ def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS,
 
 
 def capacity_bound(model: str, slo: Slo, fleet: Sequence[tuple[str, int]],
-                   input_tokens: Mapping[str, Any], output_tokens: Mapping[str, Any]) -> float:
-    """The SLO capacity bound (req/s) of ``fleet`` ((GPU, count) pairs) serving
-    ``model`` at the given length distributions (scenario syntax)."""
+                   input_tokens: Mapping[str, Any], output_tokens: Mapping[str, Any],
+                   tp: int = 1) -> float:
+    """The SLO capacity bound (req/s) of ``fleet`` ((GPU, count) pairs, replicas of
+    ``tp`` GPUs) serving ``model`` at the given length distributions (scenario syntax)."""
     scn = parse_scenario({
         "name": "bound", "seed": 1, "model": model,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-        "fleet": [{"gpu": g, "count": c} for g, c in fleet],
+        "fleet": [{"gpu": g, "count": c, "tp": tp} for g, c in fleet],
         "workload": {"duration_s": 60, "warmup_s": 0, "arrival": {"process": "poisson", "rate": 1},
                      "input_tokens": dict(input_tokens), "output_tokens": dict(output_tokens)},
     })

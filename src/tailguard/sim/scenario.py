@@ -37,9 +37,9 @@ from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
-from tailguard.core.pipeline import Layout, PipelinePerf, StageSpec
+from tailguard.core.pipeline import Layout, PipelinePerf
 from tailguard.core.policies import Slo, policy_names
-from tailguard.core_options import parse_hedging, parse_outliers
+from tailguard.core_options import PIPELINE_KEYS, parse_hedging, parse_layout, parse_outliers
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
@@ -176,56 +176,6 @@ def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = 
     if value < minimum:
         raise ConfigError(f"{where}.{key}", f"must be >= {minimum}, got {value!r}")
     return value
-
-
-def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | None:
-    """A fleet entry's pipeline (``pp`` stages of ``tp`` x ``gpu``, or ``stages``);
-    None for a replica of one stage."""
-    has_stages, pp = "stages" in g, integer(g, "pp", w, 1)
-    if not has_stages and pp == 1:
-        for key in ("split", "overlap", "microbatches", "link_gbps"):
-            if key in g:
-                raise ConfigError(f"{w}.{key}", "applies to a pipeline: set pp or stages")
-        return None
-    if has_stages:
-        for key in ("gpu", "tp", "pp"):
-            if key in g:
-                raise ConfigError(f"{w}.{key}", "give it per stage, under stages")
-        raw = g["stages"]
-        if not isinstance(raw, list) or not raw:
-            raise ConfigError(f"{w}.stages", "must be a non-empty list of {gpu, tp}")
-        stages = []
-        for j, item in enumerate(raw):
-            sw = f"{w}.stages[{j}]"
-            st = require_mapping(item, sw)
-            check_keys(st, ("gpu", "tp"), sw)
-            if "gpu" not in st:
-                raise ConfigError(f"{sw}.gpu", "is required", [x.name for x in catalog.gpus])
-            stages.append(StageSpec(catalog.gpu(str(st["gpu"]), f"{sw}.gpu"),
-                                    integer(st, "tp", sw, 1)))
-    else:
-        if "gpu" not in g:
-            raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
-        one = StageSpec(catalog.gpu(str(g["gpu"]), f"{w}.gpu"), integer(g, "tp", w, 1))
-        stages = [one] * pp
-    split: str | tuple[int, ...] = "speed"
-    raw_split = g.get("split", "speed")
-    if isinstance(raw_split, list):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in raw_split):
-            raise ConfigError(f"{w}.split", f"must be even, speed or layers per stage, "
-                              f"got {raw_split!r}")
-        split = tuple(raw_split)
-    elif raw_split in ("even", "speed"):
-        split = str(raw_split)
-    else:
-        raise ConfigError(f"{w}.split", f"must be even, speed or layers per stage, "
-                          f"got {raw_split!r}")
-    overlap = g.get("overlap", False)
-    if not isinstance(overlap, bool):
-        raise ConfigError(f"{w}.overlap", "must be true or false")
-    link = number(g, "link_gbps", w, 0.0, positive=False, minimum=0.0)
-    return Layout(tuple(stages), split, integer(g, "microbatches", w, 0, minimum=0), overlap,
-                  link)
 
 
 def parse_slo(raw: Any, where: str = "slo") -> Slo:
@@ -367,8 +317,7 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     for i, item in enumerate(fleet_raw):
         w = f"fleet[{i}]"
         g = require_mapping(item, w)
-        check_keys(g, ("gpu", "count", "tp", "pp", "stages", "split", "overlap",
-                       "microbatches", "link_gbps", "engine", "speed_spread"), w)
+        check_keys(g, ("gpu", "count", "tp", *PIPELINE_KEYS, "engine", "speed_spread"), w)
         layout = parse_layout(g, w, catalog)
         if layout is not None:
             name, tp = layout.name, layout.stages[0].tp
