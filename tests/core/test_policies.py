@@ -264,3 +264,25 @@ def test_a_stalled_node_is_avoided_until_it_answers() -> None:
         b.on_first_token(t, due + 0.55)
     assert node.overdue_s(due + 0.6) == peer.overdue_s(due + 0.6) == 0.0
     assert b.pick(MODEL, 500, due + 0.6).node_id == node.spec.id
+
+
+def test_leaving_the_prefix_holder_is_charged_the_prefill_it_adds() -> None:
+    """Moving a prompt off the node that holds most of it costs the fleet the prefill
+    the holder would have skipped, which delays the queue behind it at its new node
+    as a backlog of that size would: the policy charges it beside the wait. A
+    4,000-token prompt, 3,900 of them held by n0, which has 3,000 prompt tokens
+    queued: at n0 it costs 3,100 tokens of TTFT plus 3,000 of queueing (6,100); at
+    the idle n1 4,000 of TTFT, which alone would move it, plus the 3,900 it adds
+    (7,900), so it stays. Behind 6,000 tokens (12,100) it moves."""
+    from tailguard.core.policies import RequestInfo
+    policy = make_policy("tailguard")
+
+    def choice(backlog: int) -> str | None:
+        b = balancer("tailguard", ["H100", "H100"])
+        b.take(MODEL, "n0", backlog, 0.0)  # in flight on the holder, not yet prefilled
+        b.take(MODEL, "n1", 1, 0.0)  # the same batch on both
+        req = RequestInfo(MODEL, 4000, expected_output=50, cached={"n0": 3900})
+        return policy.choose(list(b.nodes.values()), req, 0.0, random.Random(1))
+
+    assert choice(3000) == "n0"
+    assert choice(6000) == "n1"

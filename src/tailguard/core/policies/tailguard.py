@@ -20,7 +20,11 @@ and from its live load as the gateway counts it:
 * finish time ``e2e = ttft + expected_output * tpot``;
 * the request's *queueing externality* on the node: the part of ``ttft``
   spent waiting for work ahead of it (``wait``: the prompt backlog's prefill,
-  plus the engine queue) times ``queue_weight`` (default 1.0).
+  plus the engine queue, plus how long the node has been silent past a due
+  first token, :meth:`~tailguard.core.fleet.Node.overdue_s`), and, away from
+  the node that holds most of the prompt's prefix, the prefill that holder
+  would have skipped (it delays the queue behind it here as a backlog of that
+  size would), times ``queue_weight`` (default 1.0).
 
 The node with the earliest predicted finish wins, among the nodes that keep
 both SLOs (with ``slo_headroom``, default 0.9; the TPOT check uses the node's
@@ -138,6 +142,9 @@ class TailguardPolicy:
         tpot_limit = self.slo.tpot_s * self.headroom
         queue_weight = self.queue_weight
         cached = req.cached
+        # The most of this prompt any node holds: prefill done elsewhere is work a
+        # holder would not have had to do (charged below as an externality).
+        top = min(max(cached.values()), prompt - 1) if cached else 0
         best_id: str | None = None
         best = float("inf")
         for n in cands:
@@ -175,6 +182,10 @@ class TailguardPolicy:
                 engine_wait = (batch - running) * (ttft + out * tpot) / running
                 ttft += engine_wait
                 wait += engine_wait
+            if top:
+                # Placed away from the best holder, the prompt's extra prefill delays
+                # whoever queues behind it here, as a backlog of that size would.
+                wait += (work - (prompt - top)) * prefill_token_s(perf) * pslow
             cost = (ttft_weight * (ttft + queue_weight * wait) + out * tpot) / n.weight_scale
             excess = 0.0
             if ttft > ttft_limit:
