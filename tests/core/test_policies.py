@@ -286,3 +286,15 @@ def test_leaving_the_prefix_holder_is_charged_the_prefill_it_adds() -> None:
 
     assert choice(3000) == "n0"
     assert choice(6000) == "n1"
+
+
+def test_the_awaited_requests_stay_bounded_under_any_policy() -> None:
+    """Node.awaited is trimmed as requests get their first tokens or leave, not only
+    when the tailguard policy reads it: round robin never does."""
+    b = balancer("round_robin", ["H100", "H100"])
+    for i in range(2000):
+        t = b.pick(MODEL, 100, float(i))
+        if i % 3:
+            b.on_first_token(t, i + 0.01)
+        b.on_finish(t, i + 0.02, Outcome.OK if i % 5 else Outcome.CLIENT_CANCELLED, 4)
+    assert all(len(n.awaited) <= 1 for n in b.nodes.values())

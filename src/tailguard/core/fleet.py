@@ -351,15 +351,20 @@ class Node:
         merely slow is late by less than OVERDUE_FACTOR, which its learned
         speed prices. Only this replica's requests are seen.
         """
-        q = self.awaited
-        while q and (q[0].t_first >= 0.0 or q[0].released or q[0].presumed):
-            q.popleft()
+        q = self._trim()
         due = q[0].due if q else math.inf
         if self.owed_due < due:
             due = self.owed_due
         since = due if due > self.progress_t else self.progress_t
         self.overdue_at = since
         return now - since if now > since else 0.0
+
+    def _trim(self) -> deque[Awaited]:
+        """Drop the requests at the front that are no longer waiting."""
+        q = self.awaited
+        while q and (q[0].t_first >= 0.0 or q[0].released or q[0].presumed):
+            q.popleft()
+        return q
 
     def awaits(self, req: Awaited) -> None:
         """A request dispatched here waits for its first token (Node.overdue_s)."""
@@ -372,6 +377,7 @@ class Node:
         self.progress_t = now
         self.owed_due = math.inf
         self.overdue_at = -math.inf
+        self._trim()  # bounded by what is in flight, whether or not a policy reads it
 
     def left_unanswered(self, due: float, now: float) -> None:
         """A request left before its first token (failed, cancelled) at ``now``,
@@ -379,6 +385,7 @@ class Node:
         if due < now and due < self.owed_due:
             self.owed_due = due
         self.overdue_at = -math.inf
+        self._trim()
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"
