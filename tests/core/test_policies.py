@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tailguard.core.balancer import Balancer, PoolConfig
-from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import OWED_S, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import make_policy, policy_names
 from tailguard.core.predict import (
@@ -224,8 +224,8 @@ def test_a_card_clearly_slower_than_its_class_keeps_the_slo_at_its_own_speed() -
 def test_a_stalled_node_is_avoided_until_it_answers() -> None:
     """A node silent past its oldest prompt's due time (Node.overdue_s) gets no new
     requests: the router sees a stall within a fraction of a second, before any
-    learned speed moves, and a request that left unanswered (a hedge's loser)
-    keeps the evidence until the node answers again."""
+    learned speed moves, and a request cancelled unanswered (a hedge's loser)
+    keeps the evidence until the node answers again, for at most OWED_S."""
     b = balancer("tailguard", ["H100", "H100"])
     n0, n1 = b.nodes["n0"], b.nodes["n1"]
     # Both healthy and answering: load alternates.
@@ -249,11 +249,17 @@ def test_a_stalled_node_is_avoided_until_it_answers() -> None:
     assert node.overdue_s(due + 0.4) == pytest.approx(0.4)
     picks.append(b.pick(MODEL, 500, due + 0.4))
     assert picks[-1].node_id == peer.spec.id
-    # A request cancelled before its due time says nothing.
+    # ... for OWED_S, after which one request may probe it.
+    assert node.overdue_s(due + 0.3 + OWED_S + 0.01) == 0.0
+    # A request cancelled before its due time says nothing; nor does one that
+    # failed after it (failures are the outlier detector's evidence).
     other = balancer("tailguard", ["H100"])
     early = other.pick(MODEL, 500, 0.0)
     other.on_finish(early, early.due / 2, Outcome.CLIENT_CANCELLED, 0)
     assert other.nodes["n0"].overdue_s(10.0) == 0.0
+    failed = other.pick(MODEL, 500, 10.0)
+    other.on_finish(failed, failed.due + 1.0, Outcome.CONNECT_FAILURE, 0)
+    assert other.nodes["n0"].overdue_s(failed.due + 1.1) == 0.0
     # The node answers again (a first token): the stall is over, and it is
     # priced by its load once more.
     probe = b.take(MODEL, node.spec.id, 500, due + 0.5)

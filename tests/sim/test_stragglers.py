@@ -101,10 +101,11 @@ def test_stalls_are_routed_around_and_hedging_frees_what_they_hold() -> None:
     assert off["ttft_s"]["p99"] < 0.5
     # A stall still holds what was there when it began (43 requests over 1 s; 36-45
     # at seeds 1-3); the hedges free them (none left), each sent only from a node
-    # whose prompts are overdue: 0.9% extra requests, 51 of 53 won.
+    # whose prompts are overdue: 1.8% extra requests, 101 of 103 won (with a probe
+    # a second into a node whose stuck requests were all cancelled, Node.OWED_S).
     assert off_over >= 20 and on_over <= 2
     assert on["ttft_s"]["p99"] <= off["ttft_s"]["p99"]
-    assert 0 < on["hedge_share"] <= 0.02
+    assert 0 < on["hedge_share"] <= 0.03
     assert on["hedge_wins"] > 0.8 * on["hedges"]
     assert on["completed"] == off["completed"]  # every request answered exactly once
     assert on == run(scenario(stalls, 150.0, hedging={"enabled": True}))

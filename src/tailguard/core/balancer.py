@@ -618,7 +618,8 @@ class Balancer:
                 node.prefill_work_s += ticket.work
             else:  # its prompt will not be computed: no longer work the node has to do
                 node.withdraw_work(ticket.work)
-                node.left_unanswered(ticket.due, now)
+                node.left_unanswered(ticket.due if outcome is Outcome.CLIENT_CANCELLED
+                                     else math.inf, now)
         else:
             node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):

@@ -36,6 +36,12 @@ DUTY_TAU_S = 5.0
 # expected time to first token, at its class's learned prefill speed: a node
 # whose prompts run late by less is slow, which the learner prices.
 OVERDUE_FACTOR = 2.0
+# How long a request cancelled past its due time (a hedge's loser) keeps its node
+# overdue when nothing else there is waiting: then one request probes the node,
+# which either answers (it is back) or is overdue itself within twice its
+# expected TTFT. Without an end, a node left silent would never be sent another
+# request, and never seen to recover (the outlier detector, not this, ejects).
+OWED_S = 1.0
 
 
 class Awaited(Protocol):
@@ -196,6 +202,7 @@ class Node:
         "limiter",
         "overdue_at",
         "owed_due",
+        "owed_until",
         "own_backlog_base",
         "own_in_flight_base",
         "perf",
@@ -266,6 +273,7 @@ class Node:
         # until it answers anything); the node's last first token or good finish.
         self.awaited: deque[Awaited] = deque()
         self.owed_due = math.inf
+        self.owed_until = 0.0
         self.progress_t = 0.0
         # The earliest time overdue_s can be above 0, as it last found (-inf: look
         # again; set so whenever the front of ``awaited`` may have changed), so a
@@ -340,9 +348,11 @@ class Node:
         time: 0 while it answers (a first token or a finish since that time) or
         nothing is overdue.
 
-        A request that left unanswered past its due time (a hedge's loser)
-        still counts until the node next answers: otherwise every hedge would
-        clear the evidence, and the router send the next request into the stall.
+        A request cancelled past its due time (a hedge's loser) still counts
+        until the node next answers, for at most OWED_S: otherwise every hedge
+        would clear the evidence, and the router send the next request into the
+        stall. A failed request says nothing here (the outlier detector counts
+        failures).
         A stalled engine (a pause, a hung card, a stuck scheduler) shows here
         within a fraction of a second, long before its learned speed or the
         outlier detector moves: every request sent to it meanwhile waits out
@@ -354,7 +364,10 @@ class Node:
         q = self._trim()
         due = q[0].due if q else math.inf
         if self.owed_due < due:
-            due = self.owed_due
+            if now < self.owed_until:
+                due = self.owed_due
+            else:
+                self.owed_due = math.inf  # expired: the next request probes the node
         since = due if due > self.progress_t else self.progress_t
         self.overdue_at = since
         return now - since if now > since else 0.0
@@ -380,10 +393,11 @@ class Node:
         self._trim()  # bounded by what is in flight, whether or not a policy reads it
 
     def left_unanswered(self, due: float, now: float) -> None:
-        """A request left before its first token (failed, cancelled) at ``now``,
-        or (``due`` inf) is taken as prefilled without one."""
+        """A request was cancelled before its first token at ``now`` (``due``: its
+        due time), or (``due`` inf) failed or was taken as prefilled without one."""
         if due < now and due < self.owed_due:
             self.owed_due = due
+            self.owed_until = now + OWED_S
         self.overdue_at = -math.inf
         self._trim()
 

@@ -43,8 +43,8 @@ one of its prompts is overdue (:meth:`~tailguard.core.fleet.Node.overdue_s`:
 silent past twice a waiting prompt's expected TTFT). Silence alone passes in
 the quiet moments of a healthy node; measured on the stalls benchmark, 4
 hedges in 5 went there and the credit was gone when a stall came (waits
-over 1 s: 23-166 per case); with the overdue check, 0, for 0.3-0.5% extra
-requests instead of 4.7%. A request slow because its node is busy with a long queue
+over 1 s: 23-166 per case); with the overdue check, 0, for 0.5-2.1% extra
+requests instead of 4.6-4.8%. A request slow because its node is busy with a long queue
 gains nothing from a duplicate; one stuck on a stalled node gains everything.
 Measured on intermittent stalls: without it the p95-tail hedges spend the
 whole budget on ordinary slow requests and P99 TTFT does not move.
