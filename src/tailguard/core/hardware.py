@@ -267,6 +267,50 @@ DEFAULT_PERF = PerfParams()
 
 
 @dataclass(frozen=True, slots=True)
+class Roofline:
+    """Per-second coefficients of ``layers`` of a model on ``tp`` GPUs of one type:
+    a whole replica (:class:`PerfModel`) or one pipeline stage (core/pipeline.py)."""
+
+    weight_s: float  # time to stream the weights once
+    kv_s: float  # time to read one cached token's KV
+    token_flop_s: float  # dense FLOPs of one token
+    attn_flop_s: float  # attention FLOPs per (token x context)
+    fixed_s: float  # per-step kernel launches and all-reduce latency (no host overhead)
+    allreduce_token_s: float  # all-reduce bytes per token over the link
+    kv_capacity_tokens: int  # what the memory left after the weights holds
+
+    def time(self, tokens: float, ctx: float, attn: float) -> float:
+        """A step of ``tokens`` tokens reading ``ctx`` cached tokens, ``attn`` the
+        attention span (:meth:`PerfModel.step_time`, without the host overhead)."""
+        mem = self.weight_s + self.kv_s * ctx
+        comp = self.token_flop_s * tokens + self.attn_flop_s * attn
+        return (mem if mem > comp else comp) + self.fixed_s + self.allreduce_token_s * tokens
+
+
+def roofline(gpu: GPU, model: Model, tp: int, p: PerfParams, layers: int,
+             speed: float = 1.0) -> Roofline:
+    """The coefficients of ``layers`` of ``model`` on ``tp`` x ``gpu``; ``speed``: the
+    slowest GPU's (a throttled rank: its GPU-side work takes 1/speed longer)."""
+    frac = layers / model.layers
+    bw = p.eta_mem * gpu.mem_bw_gbps * GB * speed
+    fl = p.eta_compute * gpu.tflops * 1e12 * speed
+    fixed = p.layer_overhead_s * layers / speed
+    ar_tok = 0.0
+    if tp > 1:
+        fixed += 2 * layers * p.allreduce_latency_s
+        link = max(gpu.interconnect_gbps, 1.0) * GB
+        # ring all-reduce moves 2(T-1)/T of the activations, twice per layer
+        ar_tok = 2 * layers * model.hidden * 2.0 * 2 * (tp - 1) / tp / link
+    kv_tok = model.kv_bytes_per_token * frac / tp
+    free = gpu.mem_gb * GB * p.gpu_memory_utilization - model.weight_bytes * frac / tp
+    free -= p.activation_reserve_gb * GB
+    cap = int(free / kv_tok) if free > 0 and kv_tok > 0 else 0
+    return Roofline(model.weight_bytes * frac / tp / bw, kv_tok / bw,
+                    2.0 * model.params * frac / tp / fl, 4.0 * layers * model.hidden / tp / fl,
+                    fixed, ar_tok, cap)
+
+
+@dataclass(frozen=True, slots=True)
 class PerfModel:
     """Step-time model of one engine replica: ``model`` on ``tp`` GPUs of ``gpu``.
 
@@ -297,30 +341,18 @@ class PerfModel:
     kv_capacity_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        g, m, t, p = self.gpu, self.model, self.tp, self.params
-        if t < 1:
+        if self.tp < 1:
             raise ConfigError("tp", "must be >= 1")
-        slow = min((f for _, f in self.gpu_speed), default=1.0)
-        bw = p.eta_mem * g.mem_bw_gbps * GB * slow
-        fl = p.eta_compute * g.tflops * 1e12 * slow
+        r = roofline(self.gpu, self.model, self.tp, self.params, self.model.layers,
+                     min((f for _, f in self.gpu_speed), default=1.0))
         set_ = object.__setattr__
-        set_(self, "weight_s", m.weight_bytes / t / bw)
-        set_(self, "kv_s", m.kv_bytes_per_token / t / bw)
-        set_(self, "token_flop_s", 2.0 * m.params / t / fl)
-        set_(self, "attn_flop_s", 4.0 * m.layers * m.hidden / t / fl)
-        fixed = p.step_overhead_s + p.layer_overhead_s * m.layers / slow
-        ar_tok = 0.0
-        if t > 1:
-            fixed += 2 * m.layers * p.allreduce_latency_s
-            link = max(g.interconnect_gbps, 1.0) * GB
-            # ring all-reduce moves 2(T-1)/T of the activations, twice per layer
-            ar_tok = 2 * m.layers * m.hidden * 2.0 * 2 * (t - 1) / t / link
-        set_(self, "fixed_s", fixed)
-        set_(self, "allreduce_token_s", ar_tok)
-        free = g.mem_gb * GB * p.gpu_memory_utilization - m.weight_bytes / t
-        free -= p.activation_reserve_gb * GB
-        cap = int(free / (m.kv_bytes_per_token / t)) if free > 0 else 0
-        set_(self, "kv_capacity_tokens", cap)
+        set_(self, "weight_s", r.weight_s)
+        set_(self, "kv_s", r.kv_s)
+        set_(self, "token_flop_s", r.token_flop_s)
+        set_(self, "attn_flop_s", r.attn_flop_s)
+        set_(self, "fixed_s", self.params.step_overhead_s + r.fixed_s)
+        set_(self, "allreduce_token_s", r.allreduce_token_s)
+        set_(self, "kv_capacity_tokens", r.kv_capacity_tokens)
 
     @property
     def gpus(self) -> int:
@@ -431,5 +463,7 @@ __all__ = [
     "Model",
     "PerfModel",
     "PerfParams",
+    "Roofline",
     "perf_model",
+    "roofline",
 ]

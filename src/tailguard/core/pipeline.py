@@ -39,12 +39,20 @@ decode step, found by filling the stages to a common time), or given.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tailguard.core.hardware import DEFAULT_PERF, GB, GPU, Model, PerfModel, PerfParams
+from tailguard.core.hardware import (
+    DEFAULT_PERF,
+    GB,
+    GPU,
+    Model,
+    PerfModel,
+    PerfParams,
+    Roofline,
+    roofline,
+)
 from tailguard.errors import ConfigError
 
 # The decode step the ``speed`` split balances: a moderate batch at a typical
@@ -89,46 +97,6 @@ class Layout:
         return sum(s.tp for s in self.stages)
 
 
-@dataclass(frozen=True, slots=True)
-class _Stage:
-    """A stage's roofline coefficients (per micro-batch token, seconds)."""
-
-    layers: int
-    weight_s: float
-    kv_s: float
-    token_flop_s: float
-    attn_flop_s: float
-    fixed_s: float
-    allreduce_token_s: float
-    kv_capacity_tokens: int
-
-    def time(self, tokens: float, ctx: float, attn: float) -> float:
-        mem = self.weight_s + self.kv_s * ctx
-        comp = self.token_flop_s * tokens + self.attn_flop_s * attn
-        return (mem if mem > comp else comp) + self.fixed_s + self.allreduce_token_s * tokens
-
-
-def _stage(gpu: GPU, tp: int, layers: int, model: Model, p: PerfParams,
-           speed: float = 1.0) -> _Stage:
-    """Stage coefficients; ``speed``: its slowest GPU's (PerfModel.gpu_speed)."""
-    frac = layers / model.layers
-    bw = p.eta_mem * gpu.mem_bw_gbps * GB * speed
-    fl = p.eta_compute * gpu.tflops * 1e12 * speed
-    fixed = p.layer_overhead_s * layers / speed
-    ar_tok = 0.0
-    if tp > 1:
-        fixed += 2 * layers * p.allreduce_latency_s
-        link = max(gpu.interconnect_gbps, 1.0) * GB
-        ar_tok = 2 * layers * model.hidden * 2.0 * 2 * (tp - 1) / tp / link
-    kv_tok = model.kv_bytes_per_token * frac / tp
-    free = gpu.mem_gb * GB * p.gpu_memory_utilization - model.weight_bytes * frac / tp
-    free -= p.activation_reserve_gb * GB
-    cap = int(free / kv_tok) if free > 0 and kv_tok > 0 else 0
-    return _Stage(layers, model.weight_bytes * frac / tp / bw, kv_tok / bw,
-                  2.0 * model.params * frac / tp / fl, 4.0 * layers * model.hidden / tp / fl,
-                  fixed, ar_tok, cap)
-
-
 def _send_s(model: Model, tokens: float, p: PerfParams, link_gbps: float = 0.0) -> float:
     """Seconds to move ``tokens`` tokens' activations to the next stage."""
     bw = (link_gbps or p.pp_link_gbps) * GB
@@ -160,7 +128,7 @@ def split_layers(layout: Layout, model: Model, params: PerfParams = DEFAULT_PERF
     tokens, ctx = SPLIT_BATCH / m, SPLIT_BATCH * SPLIT_CTX / m
     slope, base, most = [], [], []
     for i, st in enumerate(layout.stages):
-        slope.append(_stage(st.gpu, st.tp, 1, model, params).time(tokens, ctx, ctx))
+        slope.append(roofline(st.gpu, model, st.tp, params, 1).time(tokens, ctx, ctx))
         base.append(_send_s(model, tokens, params, layout.link_gbps) if i < pp - 1 else 0.0)
         per_layer = (model.weight_bytes + MIN_KV_TOKENS * model.kv_bytes_per_token) / n / st.tp
         room = st.gpu.mem_gb * GB * params.gpu_memory_utilization
@@ -208,7 +176,7 @@ class PipelinePerf(PerfModel):
 
     layout: Layout = field(default_factory=lambda: Layout(()))
     layers: tuple[int, ...] = field(init=False)
-    _stages: tuple[_Stage, ...] = field(init=False)
+    _stages: tuple[Roofline, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         lay, m, p = self.layout, self.model, self.params
@@ -220,7 +188,7 @@ class PipelinePerf(PerfModel):
         stages, first = [], 0
         for st, n in zip(lay.stages, layers, strict=True):
             slow = min((speed.get(i, 1.0) for i in range(first, first + st.tp)), default=1.0)
-            stages.append(_stage(st.gpu, st.tp, n, m, p, slow))
+            stages.append(roofline(st.gpu, m, st.tp, p, n, slow))
             first += st.tp
         set_ = object.__setattr__
         set_(self, "layers", layers)
@@ -291,19 +259,9 @@ def pipeline_perf(stages: Sequence[StageSpec], model: Model, *, split: str | tup
                   params: PerfParams = DEFAULT_PERF) -> PipelinePerf:
     """The performance model of ``model`` pipelined over ``stages``."""
     lay = Layout(tuple(stages), split, microbatches, overlap)
-    first = lay.stages[0] if lay.stages else None
-    if first is None:
+    if not lay.stages:
         raise ConfigError("stages", "a pipeline needs at least one stage")
-    return PipelinePerf(first.gpu, model, first.tp, params, layout=lay)
+    return PipelinePerf(lay.stages[0].gpu, model, lay.stages[0].tp, params, layout=lay)
 
 
-def stage_speed_ratio(perf: PipelinePerf, batch: int = SPLIT_BATCH,
-                      ctx: float = SPLIT_CTX) -> float:
-    """The slowest stage's time over the fastest's at a decode step (1: balanced)."""
-    m = perf.layout.microbatches or len(perf.layers)
-    times = [s.time(batch / m, batch * ctx / m, batch * ctx / m) for s in perf._stages]
-    return max(times) / min(times) if min(times) > 0 else math.inf
-
-
-__all__ = ["Layout", "PipelinePerf", "StageSpec", "pipeline_perf", "split_layers",
-           "stage_speed_ratio"]
+__all__ = ["Layout", "PipelinePerf", "StageSpec", "pipeline_perf", "split_layers"]
