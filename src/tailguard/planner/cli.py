@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.errors import ConfigError
+from tailguard.planner.inventory_cli import add_arguments, cmd_inventory
 from tailguard.planner.plan import plan_groups, sglang_flags, vllm_flags
 
 
@@ -17,8 +18,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                        description="For each GPU type and TP degree of the fleet file: KV "
                                    "capacity, the largest batch within the TPOT SLO, the "
                                    "chunked-prefill budget, throughput at the SLO, engine "
-                                   "flags and the gateway's initial per-node limits.")
-    p.add_argument("--fleet", required=True, help="the fleet file (as for `tailguard serve`)")
+                                   "flags and the gateway's initial per-node limits. With "
+                                   "--inventory instead: form replicas (TP, PP, across GPU "
+                                   "types) from hosts of GPUs for the best SLO goodput per "
+                                   "dollar, rated in the simulator; print them with their "
+                                   "engine flags, $ per million tokens and the fleet file.")
+    p.add_argument("--fleet", help="the fleet file (as for `tailguard serve`): plan its nodes")
     p.add_argument("--model", required=True, help="catalog model (see `tailguard models`)")
     p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds")
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds")
@@ -29,7 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--tp", help="TP degrees to plan each GPU type at, e.g. 1,2,4 (default: "
                                 "the fleet's own), each with the type's node count; shares are then "
                                 "over all the listed options")
-    p.add_argument("--format", choices=["table", "json", "vllm", "sglang"], default="table")
+    p.add_argument("--format", choices=["table", "json", "vllm", "sglang", "fleet"],
+                   default="table", help="fleet: the fleet file (with --inventory)")
+    add_arguments(p)
     p.set_defaults(func=cmd_plan)
 
 
@@ -39,6 +46,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for name in ("slo_tpot", "slo_ttft", "input_tokens", "output_tokens"):
         if not getattr(args, name) > 0:
             raise ConfigError("--" + name.replace("_", "-"), "must be > 0")
+    if (args.fleet is None) == (args.inventory is None):
+        raise ConfigError("--fleet", "give either --fleet (plan its nodes) or --inventory "
+                                     "(form replicas from GPUs)")
+    if args.inventory is not None:
+        if args.format in ("vllm", "sglang"):
+            raise ConfigError("--format", "with --inventory: table, json or fleet")
+        return cmd_inventory(args)
+    if args.format == "fleet":
+        raise ConfigError("--format", "fleet needs --inventory")
     config = load_fleet(args.fleet)
     model = DEFAULT_CATALOG.model(args.model, "--model")
     counts: Counter[tuple[str, int]] = Counter()

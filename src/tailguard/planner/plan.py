@@ -57,6 +57,28 @@ def _step(perf: PerfModel, batch: int, input_tokens: float, output_tokens: float
     return perf.step_time(batch, batch * ctx, int(p), p, p * p * 0.5)
 
 
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    """What the roofline says one replica should run with at the TPOT SLO."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    initial_limit: int
+    tpot_at_batch_s: float
+    tokens_per_s: float
+
+
+def engine_plan(perf: PerfModel, slo_tpot: float, input_tokens: float, output_tokens: float,
+                target: float = 0.9, max_seqs: int = 1024) -> EnginePlan:
+    """The batch, token budget and gateway limit of one replica (see the module docstring)."""
+    batch = planned_limit(perf, slo_tpot, input_tokens, output_tokens, max_seqs)
+    initial = planned_limit(perf, slo_tpot * target, input_tokens, output_tokens, max_seqs)
+    ctx = input_tokens + output_tokens * 0.5
+    chunk = perf.chunk_budget_for_tpot(slo_tpot, batch, ctx)
+    step = _step(perf, batch, input_tokens, output_tokens)
+    return EnginePlan(batch, batch + max(chunk, MIN_CHUNK_TOKENS), initial, step, batch / step)
+
+
 def plan_groups(groups: Sequence[tuple[GPU, int, int]], model: Model, slo_tpot: float,
                 input_tokens: float, output_tokens: float, target: float = 0.9,
                 max_seqs: int = 1024, params: PerfParams = DEFAULT_PERF) -> list[GroupPlan]:
@@ -68,16 +90,11 @@ def plan_groups(groups: Sequence[tuple[GPU, int, int]], model: Model, slo_tpot: 
             plans.append(GroupPlan(gpu.name, tp, count, False, perf.memory_needed_gb,
                                    perf.kv_capacity_tokens, 0, 0, 0, 0.0, 0.0, 0.0, 0.0))
             continue
-        batch = planned_limit(perf, slo_tpot, input_tokens, output_tokens, max_seqs)
-        initial = planned_limit(perf, slo_tpot * target, input_tokens, output_tokens, max_seqs)
-        ctx = input_tokens + output_tokens * 0.5
-        chunk = perf.chunk_budget_for_tpot(slo_tpot, batch, ctx)
-        budget = batch + max(chunk, MIN_CHUNK_TOKENS)
-        step = _step(perf, batch, input_tokens, output_tokens)
-        tok_s = batch / step
+        e = engine_plan(perf, slo_tpot, input_tokens, output_tokens, target, max_seqs)
         plans.append(GroupPlan(gpu.name, tp, count, True, perf.memory_needed_gb,
-                               perf.kv_capacity_tokens, batch, budget, initial, step, tok_s,
-                               tok_s / max(output_tokens, 1.0), 0.0))
+                               perf.kv_capacity_tokens, e.max_num_seqs, e.max_num_batched_tokens,
+                               e.initial_limit, e.tpot_at_batch_s, e.tokens_per_s,
+                               e.tokens_per_s / max(output_tokens, 1.0), 0.0))
     total = sum(p.requests_per_s * p.nodes for p in plans)
     return [
         GroupPlan(**{**{f: getattr(p, f) for f in GroupPlan.__slots__},

@@ -39,6 +39,7 @@ from tailguard.sim.workload import sample_lengths
 PROBE_REQUESTS = 1500
 WARMUP_SHARE = 0.2
 PRECISION = 0.01
+IDLE_LOAD = 0.02  # arrivals x a lone request's time: nearly never two at once
 
 
 def _meets(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: Sequence[float],
@@ -66,6 +67,16 @@ def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float
     too_long = sum(1 for p in prompts if perf.prefill_time(p) > 1.2 * slo.ttft_s)
     if too_long > (1.0 - slo.attainment) * len(prompts) * 1.5:
         return 0.0
+    # Likewise a node whose decode step alone, a batch of one, is over the TPOT
+    # (an L4 streaming an 8B model's 16 GB takes ~75 ms a token): no rate helps.
+    too_slow = sum(1 for p in prompts if perf.decode_step(1, float(p)) > 1.1 * slo.tpot_s)
+    if too_slow > (1.0 - slo.attainment) * len(prompts) * 1.5:
+        return 0.0
+    # And one whose KV cache cannot hold enough of the requests whole.
+    kv = engine.kv_capacity_tokens or perf.kv_capacity_tokens
+    too_big = sum(1 for p, o in zip(prompts, outputs, strict=True) if p + o > kv)
+    if too_big > (1.0 - slo.attainment) * len(prompts) * 1.5:
+        return 0.0
     mean_out = sum(outputs) / len(outputs)
     mean_in = sum(prompts) / len(prompts)
     # Rough start: a request's prefill plus its share of a batch-16 decode.
@@ -80,9 +91,14 @@ def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float
             if hi > 1e5:
                 return lo
     else:
+        # A request alone takes about ``alone`` seconds; at a rate where
+        # requests almost never overlap (IDLE_LOAD), a miss is the request's own
+        # and no lower rate can help (halving on to 1e-4 req/s would cost
+        # minutes of simulated idling).
+        alone = perf.prefill_time(int(mean_in)) + mean_out * perf.decode_step(1, mean_in)
         while True:
             hi_new = hi / 2.0
-            if hi_new < 1e-4:
+            if hi_new < 1e-4 or hi_new * alone < IDLE_LOAD:
                 return 0.0
             if meets(hi_new):
                 lo = hi_new
@@ -109,6 +125,14 @@ def node_capacity(scn: Scenario, plan: NodePlan, n: int = PROBE_REQUESTS) -> flo
     """SLO capacity (req/s) of one node at nominal speed (card spread and faults excluded)."""
     gaps, prompts, outputs = probe_workload(scn, n)
     return _capacity(plan.perf, plan.engine, scn.slo, gaps, prompts, outputs)
+
+
+def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig,
+                     n: int = PROBE_REQUESTS) -> float:
+    """SLO capacity (req/s) of a replica that is not (yet) in the scenario's fleet,
+    under the scenario's SLO and lengths (what the planner weighs formations by)."""
+    gaps, prompts, outputs = probe_workload(scn, n)
+    return _capacity(perf, engine, scn.slo, gaps, prompts, outputs)
 
 
 def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS,

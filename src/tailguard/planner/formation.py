@@ -1,0 +1,438 @@
+"""Forming replicas from a GPU inventory: what ``tailguard plan --inventory`` decides.
+
+A *shape* is a replica's hardware: one TP group of one GPU type inside one
+host, or a pipeline of such groups (stages) on one or more hosts. Each shape
+is *rated* by the simulator, not by a formula: its SLO capacity
+(:mod:`tailguard.sim.capacity`: the highest Poisson rate that one replica alone
+serves within the TTFT and TPOT SLOs at the attainment target, under the
+workload's length distributions) with the engine settings the roofline plans
+for it (:func:`tailguard.planner.plan.engine_plan`). The roofline's own
+throughput at the SLO overrates weak shapes by up to 20x (a TPOT-bound A100
+running an 8B model at a 50 ms TPOT: 9.3 req/s by the formula, 2.5 measured),
+because queueing and prefill interference decide the tail.
+
+Formation, greedy by SLO goodput per dollar (capacity / $ per hour):
+
+1. **Homogeneous shapes.** For every GPU type of the inventory (a host's link
+   makes its own type), TP 1, 2, 4 and 8 within one host; a type on which the
+   model fits no host alone is pipelined over its hosts instead (the fewest
+   stages that fit). Shapes are taken best ratio first, each as often as the
+   hosts' free GPUs (best fit) and the objective allow. Within one type this
+   is the most goodput per GPU; across types the most goodput per dollar.
+   The objective says where to stop:
+
+   * ``per-dollar`` (the default): only shapes within RATIO_TOLERANCE of the
+     best ratio. Any other shape lowers the fleet's goodput per dollar, so its
+     GPUs are the ones to drop (the report names them and their ratio);
+   * ``goodput``: every shape with SLO capacity (GPUs already paid for);
+   * a demand (``--rate``): once the capacities carry it, which is the
+     cheapest formation that does;
+   * a budget (``--budget``): at the budget.
+2. **Pipelines across types** from what is left: two stages of equal TP
+   (vLLM runs one TP degree for every stage) on different GPU types or hosts,
+   layers split by speed and memory (:func:`tailguard.core.pipeline.split_layers`).
+   The roofline ranks the candidates and the simulator rates the best few;
+   the best measured is taken, and so on until nothing left forms a replica
+   with SLO capacity or the objective stops.
+3. **Budget left over** after the whole inventory buys more of the
+   best-ratio shape (of the inventory's GPU types and of those ``prices``
+   names).
+
+GPUs no shape can use within the SLO are left out and reported.
+
+Two naive formations are kept to measure against: **one replica per GPU**
+(TP-1 wherever the model fits) and **TP across types** (the inventory's GPUs
+in order, in TP groups of the smallest degree that fits on every GPU, across
+host and type boundaries: a group steps at its slowest member and
+all-reduces over the network when it spans hosts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from tailguard.core.hardware import GPU, Model, PerfModel
+from tailguard.core.pipeline import Layout, PipelinePerf, StageSpec
+from tailguard.engine import EngineConfig
+from tailguard.errors import ConfigError
+from tailguard.planner.inventory import Host, Inventory
+from tailguard.planner.plan import EnginePlan, engine_plan
+from tailguard.sim.capacity import replica_capacity
+from tailguard.sim.scenario import Scenario
+
+OBJECTIVES = ("per-dollar", "goodput")
+TP_DEGREES = (1, 2, 4, 8)
+# Shapes this close to the best goodput per dollar count as equally good: SLO
+# capacities are bisected to 1% and move a few % between probe workloads.
+RATIO_TOLERANCE = 0.05
+MAX_PP = 4
+# Cross-type pipelines the simulator rates per round, the roofline's best first.
+MIXED_RATED = 4
+# The decode step at which a mixed TP group's slowest member is found.
+REFERENCE_BATCH, REFERENCE_CTX = 32, 1024.0
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A replica's hardware: its stages (``StageSpec``) and what it costs."""
+
+    stages: tuple[StageSpec, ...]
+    cost_per_hour: float
+    link_gbps: float = 0.0  # between stages (pipelines)
+    label: str = ""  # a name other than the layout's (naive mixed TP groups)
+
+    @property
+    def gpus(self) -> int:
+        return sum(s.tp for s in self.stages)
+
+    @property
+    def pipelined(self) -> bool:
+        return len(self.stages) > 1
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        if not self.pipelined:
+            s = self.stages[0]
+            return s.gpu.name if s.tp == 1 else f"{s.tp}x{s.gpu.name}"
+        return self.layout.name
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.stages, "speed", link_gbps=self.link_gbps)
+
+
+@dataclass(frozen=True, slots=True)
+class Rated:
+    """A shape with its performance model, planned engine and measured SLO capacity."""
+
+    shape: Shape
+    perf: PerfModel
+    plan: EnginePlan
+    capacity_rps: float
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.plan.max_num_seqs,
+                            max_num_batched_tokens=self.plan.max_num_batched_tokens)
+
+    @property
+    def ratio(self) -> float:
+        """SLO goodput per dollar: req/s per $/h."""
+        return self.capacity_rps / self.shape.cost_per_hour
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    rated: Rated
+    hosts: tuple[str, ...]  # each stage's host ("+"-joined when a naive group spans hosts)
+    devices: tuple[tuple[int, ...], ...] = ()  # each stage's GPU indices on its host
+    added: bool = False  # on GPUs to buy (--budget)
+
+
+Placement = tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Formation:
+    name: str
+    replicas: tuple[Replica, ...]
+    unused: Mapping[str, int] = field(default_factory=dict)  # host -> GPUs left out
+    skipped: tuple[str, ...] = ()  # GPU types without SLO capacity, as readable lines
+    rated: tuple[Rated, ...] = ()  # every single-type shape the planner weighed
+
+    @property
+    def goodput_rps(self) -> float:
+        """The sum of the replicas' SLO capacities (the fleet's capacity bound)."""
+        return sum(r.rated.capacity_rps for r in self.replicas)
+
+    @property
+    def cost_per_hour(self) -> float:
+        return sum(r.rated.shape.cost_per_hour for r in self.replicas)
+
+    @property
+    def gpus(self) -> int:
+        return sum(r.rated.shape.gpus for r in self.replicas)
+
+
+def usd_per_million_tokens(cost_per_hour: float, rps: float, output_tokens: float) -> float:
+    """$ per million output tokens at ``rps`` requests/s of ``output_tokens`` each."""
+    tokens_per_hour = rps * output_tokens * 3600.0
+    return cost_per_hour * 1e6 / tokens_per_hour if tokens_per_hour > 0 else float("inf")
+
+
+class Rater:
+    """Rates shapes under one scenario's model, SLO and lengths (memoised)."""
+
+    def __init__(self, scn: Scenario, model: Model, input_tokens: float,
+                 output_tokens: float) -> None:
+        self.scn, self.model = scn, model
+        self.input_tokens, self.output_tokens = input_tokens, output_tokens
+        self._memo: dict[Shape, Rated | None] = {}
+
+    def perf(self, shape: Shape) -> PerfModel | None:
+        """The shape's performance model; None if the model does not fit."""
+        first = shape.stages[0]
+        try:
+            if shape.pipelined:
+                perf: PerfModel = PipelinePerf(first.gpu, self.model, first.tp,
+                                               layout=shape.layout)
+            else:
+                perf = PerfModel(first.gpu, self.model, first.tp)
+        except ConfigError:  # the split cannot place every layer
+            return None
+        return perf if perf.fits else None
+
+    def plan(self, perf: PerfModel) -> EnginePlan:
+        return engine_plan(perf, self.scn.slo.tpot_s, self.input_tokens, self.output_tokens)
+
+    def rough_rps(self, shape: Shape) -> float:
+        """The roofline's requests/s at the TPOT SLO (ranking only; 0 if it does not fit)."""
+        perf = self.perf(shape)
+        return 0.0 if perf is None else self.plan(perf).tokens_per_s / self.output_tokens
+
+    def rate(self, shape: Shape) -> Rated | None:
+        if shape not in self._memo:
+            perf = self.perf(shape)
+            rated = None
+            if perf is not None:
+                plan = self.plan(perf)
+                engine = EngineConfig(max_num_seqs=plan.max_num_seqs,
+                                      max_num_batched_tokens=plan.max_num_batched_tokens)
+                rated = Rated(shape, perf, plan, replica_capacity(self.scn, perf, engine))
+            self._memo[shape] = rated
+        return self._memo[shape]
+
+
+def _single(gpu: GPU, tp: int) -> Shape:
+    return Shape((StageSpec(gpu, tp),), gpu.price_per_hour * tp)
+
+
+class _Free:
+    """The inventory's free GPUs per host, taken stage by stage (best fit)."""
+
+    def __init__(self, hosts: Iterable[Host]) -> None:
+        self.hosts = list(hosts)
+        self.free = {h.name: h.count for h in self.hosts}
+        self.size = {h.name: h.count for h in self.hosts}
+
+    def take(self, shape: Shape, commit: bool = True) -> Placement | None:
+        """Each stage's host and GPU indices (None: the free GPUs cannot hold it)."""
+        trial = dict(self.free)
+        chosen, devices = [], []
+        for st in shape.stages:
+            fits = [h.name for h in self.hosts if h.gpu == st.gpu and trial[h.name] >= st.tp]
+            if not fits:
+                return None
+            name = min(fits, key=lambda n: (trial[n], n))
+            first = self.size[name] - trial[name]
+            trial[name] -= st.tp
+            chosen.append(name)
+            devices.append(tuple(range(first, first + st.tp)))
+        if commit:
+            self.free = trial
+        return tuple(chosen), tuple(devices)
+
+    def groups(self) -> list[StageSpec]:
+        """Every (GPU type, TP degree) a stage could still take from one host."""
+        out: dict[tuple[str, int], StageSpec] = {}
+        for h in self.hosts:
+            for d in TP_DEGREES:
+                if d <= self.free[h.name]:
+                    out.setdefault((h.gpu.name, d), StageSpec(h.gpu, d))
+        return list(out.values())
+
+
+def homogeneous_shapes(inv: Inventory, rater: Rater) -> list[Shape]:
+    """TP within one host for every GPU type; a pipeline of the type's hosts where
+    the model fits no host of the type alone."""
+    biggest: dict[GPU, int] = {}
+    for h in inv.hosts:
+        biggest[h.gpu] = max(biggest.get(h.gpu, 0), h.count)
+    total: dict[GPU, int] = {}
+    for h in inv.hosts:
+        total[h.gpu] = total.get(h.gpu, 0) + h.count
+    shapes: list[Shape] = []
+    for gpu, most in biggest.items():
+        singles = [_single(gpu, d) for d in TP_DEGREES if d <= most]
+        fitting = [s for s in singles if rater.perf(s) is not None]
+        if fitting:
+            shapes += fitting
+            continue
+        for d in (d for d in TP_DEGREES if d <= most):
+            for pp in range(2, MAX_PP + 1):
+                if d * pp > total[gpu]:
+                    break
+                s = Shape((StageSpec(gpu, d),) * pp, gpu.price_per_hour * d * pp,
+                          inv.network_gbps)
+                if rater.perf(s) is not None:
+                    shapes.append(s)
+                    break
+    return shapes
+
+
+@dataclass(slots=True)
+class _Goal:
+    """When formation stops: at the budget ($/h) or once the demand (req/s) is carried."""
+
+    budget: float = float("inf")
+    demand: float = float("inf")
+    floor: float = 0.0  # the least goodput per dollar a shape must bring
+
+    def wants(self, r: Rated) -> bool:
+        return (r.ratio >= self.floor and r.shape.cost_per_hour <= self.budget + 1e-9
+                and self.demand > 0)
+
+    def took(self, r: Rated) -> None:
+        self.budget -= r.shape.cost_per_hour
+        self.demand -= r.capacity_rps
+
+
+def _fill(rated: Sequence[Rated], free: _Free, goal: _Goal, replicas: list[Replica]) -> None:
+    """Take each shape best ratio first as often as GPUs and the goal allow."""
+    for r in sorted(rated, key=lambda r: (-r.ratio, r.shape.gpus, r.shape.name)):
+        if r.capacity_rps <= 0:
+            continue
+        while goal.wants(r):
+            taken = free.take(r.shape)
+            if taken is None:
+                break
+            replicas.append(Replica(r, *taken))
+            goal.took(r)
+
+
+def _mixed_round(free: _Free, inv: Inventory, rater: Rater) -> list[Rated]:
+    """Cross-type two-stage pipelines the free GPUs could form, rated (best few)."""
+    cands = []
+    for a, b in itertools.combinations_with_replacement(free.groups(), 2):
+        if a.tp != b.tp:
+            continue
+        first, second = sorted((a, b), key=lambda s: (-s.gpu.mem_bw_gbps, s.gpu.name))
+        shape = Shape((first, second), (a.gpu.price_per_hour + b.gpu.price_per_hour) * a.tp,
+                      inv.network_gbps)
+        if free.take(shape, commit=False) is None:
+            continue
+        rough = rater.rough_rps(shape)
+        if rough > 0:
+            cands.append((rough / shape.cost_per_hour, shape))
+    cands.sort(key=lambda c: (-c[0], c[1].name))
+    return [r for _, s in cands[:MIXED_RATED] if (r := rater.rate(s)) is not None]
+
+
+def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
+                   demand: float | None = None, buyable: Sequence[GPU] = (),
+                   objective: str = "per-dollar") -> Formation:
+    """The planner's formation of ``inv`` (see the module docstring).
+
+    ``objective``: ``per-dollar`` (without a budget or demand, only the shapes
+    within RATIO_TOLERANCE of the best goodput per dollar; the rest is
+    dropped) or ``goodput`` (every GPU that adds SLO goodput). ``budget``: $/h
+    not to exceed (GPUs beyond it are dropped, budget left over buys more).
+    ``demand``: the req/s to carry; formation stops once the replicas' SLO
+    capacities reach it, which is the cheapest way there. ``buyable``: GPU
+    types that may be bought besides the inventory's own.
+    """
+    if objective not in OBJECTIVES:
+        raise ConfigError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    goal = _Goal(float("inf") if budget is None else budget,
+                 float("inf") if demand is None else demand)
+    free = _Free(inv.hosts)
+    replicas: list[Replica] = []
+    rated = [r for s in homogeneous_shapes(inv, rater) if (r := rater.rate(s)) is not None]
+    if objective == "per-dollar" and budget is None and demand is None:
+        goal.floor = max((r.ratio for r in rated), default=0.0) * (1.0 - RATIO_TOLERANCE)
+    _fill(rated, free, goal, replicas)
+    while goal.budget > 0 and goal.demand > 0:
+        best = [r for r in _mixed_round(free, inv, rater) if r.capacity_rps > 0]
+        before = len(replicas)
+        _fill(best[:1], free, goal, replicas)
+        if len(replicas) == before:
+            break
+    if budget is not None and goal.budget > 0 and goal.demand > 0:
+        replicas += _buy(inv, rater, rated, buyable, goal)
+    useful = {r.shape.stages[0].gpu.name for r in rated if r.capacity_rps > 0}
+    skipped = tuple(sorted({f"{r.shape.stages[0].gpu.name}: no SLO capacity at any TP degree "
+                            "(prefill or decode too slow for the SLO)"
+                            for r in rated if r.shape.stages[0].gpu.name not in useful}))
+    unused = {h: n for h, n in free.free.items() if n > 0}
+    return Formation("planned", tuple(replicas), unused, skipped, tuple(rated))
+
+
+def _buy(inv: Inventory, rater: Rater, rated: Sequence[Rated], buyable: Sequence[GPU],
+         goal: _Goal) -> list[Replica]:
+    """Replicas of the best-ratio single-host shape that the goal's budget buys."""
+    options = [r for r in rated if not r.shape.pipelined and r.capacity_rps > 0]
+    known = {h.gpu.name for h in inv.hosts}
+    for gpu in buyable:
+        if gpu.name in known:
+            continue
+        for d in TP_DEGREES:
+            r = rater.rate(_single(gpu, d))
+            if r is not None and r.capacity_rps > 0:
+                options.append(r)
+    if not options:
+        return []
+    best = max(options, key=lambda r: (r.ratio, -r.shape.gpus))
+    out: list[Replica] = []
+    while goal.wants(best):
+        out.append(Replica(best, (f"new-{best.shape.stages[0].gpu.name}-{len(out)}",),
+                           (tuple(range(best.shape.gpus)),), added=True))
+        goal.took(best)
+    return out
+
+
+def one_per_gpu(inv: Inventory, rater: Rater) -> Formation:
+    """Naive: a TP-1 replica on every GPU the model fits on, whatever its SLO capacity."""
+    replicas: list[Replica] = []
+    unused: dict[str, int] = {}
+    for h in inv.hosts:
+        r = rater.rate(_single(h.gpu, 1))
+        if r is None:
+            unused[h.name] = h.count
+            continue
+        replicas += [Replica(r, (h.name,), devices=((i,),)) for i in range(h.count)]
+    return Formation("one replica per GPU", tuple(replicas), unused)
+
+
+def tp_across_types(inv: Inventory, rater: Rater, model: Model) -> Formation:
+    """Naive: the GPUs in inventory order, in TP groups of the smallest degree that
+    fits on every GPU, across hosts and types."""
+    kinds = {h.gpu for h in inv.hosts}
+    degree = next((d for d in TP_DEGREES
+                   if all(PerfModel(g, model, d).fits for g in kinds)), None)
+    gpus = [(h, h.gpu) for h in inv.hosts for _ in range(h.count)]
+    if degree is None:
+        return Formation("TP across types", (), {h.name: h.count for h in inv.hosts})
+    replicas: list[Replica] = []
+    for i in range(0, len(gpus) - degree + 1, degree):
+        members = gpus[i:i + degree]
+        hosts = tuple(dict.fromkeys(h.name for h, _ in members))
+        slowest = max(dict.fromkeys(g for _, g in members),
+                      key=lambda g: PerfModel(g, model, degree).decode_step(REFERENCE_BATCH,
+                                                                              REFERENCE_CTX))
+        smallest = min((g for _, g in members), key=lambda g: g.mem_gb)
+        label = "+".join(dict.fromkeys(g.name for _, g in members))
+        gpu = slowest
+        if len(hosts) > 1 or "+" in label:  # its own modelled type: the slowest member's
+            # speed, the smallest one's memory, all-reduces over the network across hosts
+            link = inv.network_gbps if len(hosts) > 1 else slowest.interconnect_gbps
+            gpu = replace(slowest, name=f"{slowest.name}@{'net' if len(hosts) > 1 else 'mix'}"
+                          f"{smallest.mem_gb:g}", mem_gb=smallest.mem_gb,
+                          interconnect_gbps=min(link, slowest.interconnect_gbps))
+        shape = Shape((StageSpec(gpu, degree),), sum(g.price_per_hour for _, g in members),
+                      label=f"TP{degree}[{label}]" if degree > 1 else "")
+        r = rater.rate(shape)
+        if r is not None:
+            replicas.append(Replica(r, ("+".join(hosts),)))
+    used = len(replicas) * degree
+    unused: dict[str, int] = {}
+    for h, _ in gpus[used:]:
+        unused[h.name] = unused.get(h.name, 0) + 1
+    return Formation("TP across types", tuple(replicas), unused)
+
+
+__all__ = ["Formation", "Rated", "Rater", "Replica", "Shape", "one_per_gpu", "plan_formation",
+           "tp_across_types", "usd_per_million_tokens"]

@@ -1,0 +1,252 @@
+"""``tailguard plan --inventory``: replicas, engine flags, fleet file and $ per token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Any
+
+import yaml
+
+from tailguard.config_file import read_yaml
+from tailguard.core.hardware import DEFAULT_CATALOG, GPU
+from tailguard.core.policies import Slo
+from tailguard.errors import ConfigError
+from tailguard.planner.formation import (
+    Formation,
+    Rated,
+    Rater,
+    Replica,
+    one_per_gpu,
+    plan_formation,
+    tp_across_types,
+    usd_per_million_tokens,
+)
+from tailguard.planner.inventory import Inventory, parse_inventory
+from tailguard.planner.verify import base_scenario, measured_goodput
+from tailguard.sim.scenario import load_scenario
+
+BASE_PORT = 8000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--inventory", help="GPUs per host, links and prices (YAML; see "
+                                       "docs/planner.md): form replicas from them")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="with --inventory: share of requests within both SLOs that "
+                        "defines SLO goodput (default 0.9)")
+    p.add_argument("--objective", choices=["per-dollar", "goodput"], default="per-dollar",
+                   help="with --inventory: per-dollar (default) keeps only the shapes of "
+                        "the best SLO goodput per dollar; goodput uses every GPU that adds "
+                        "SLO goodput (GPUs already paid for)")
+    p.add_argument("--rate", type=float, help="with --inventory: the workload's req/s; the "
+                   "cheapest formation that carries it (default: as much as the inventory can)")
+    p.add_argument("--budget", type=float, help="with --inventory: $/h to spend; GPUs beyond it "
+                   "are dropped, and what is left buys more of the best goodput per dollar")
+    p.add_argument("--lengths", choices=["azure-conv", "azure-code"], default="azure-conv",
+                   help="with --inventory: prompt and answer length distributions the "
+                        "replicas are rated under (default azure-conv)")
+    p.add_argument("--scenario", help="with --inventory: take the lengths from this "
+                                      "scenario's workload instead")
+    p.add_argument("--verify", action="store_true",
+                   help="with --inventory: measure the formation's SLO goodput behind "
+                        "tailguard in the simulator, beside two naive formations")
+    p.add_argument("--fleet-out", help="with --inventory: write the fleet file here")
+
+
+def _positive(args: argparse.Namespace, name: str) -> None:
+    value = getattr(args, name)
+    if value is not None and not value > 0:
+        raise ConfigError("--" + name.replace("_", "-"), f"must be > 0, got {value}")
+
+
+def cmd_inventory(args: argparse.Namespace) -> int:
+    for name in ("rate", "budget"):
+        _positive(args, name)
+    if not 0 < args.attainment <= 1:
+        raise ConfigError("--attainment", f"must be in (0, 1], got {args.attainment}")
+    inv = parse_inventory(read_yaml(args.inventory, "inventory"))
+    model = DEFAULT_CATALOG.model(args.model, "--model")
+    slo = Slo(args.slo_ttft, args.slo_tpot, args.attainment)
+    lengths: tuple[Any, Any] = ({"dist": args.lengths}, {"dist": args.lengths})
+    base = base_scenario(model.name, slo, inv.catalog(), *lengths)
+    if args.scenario:
+        w = load_scenario(args.scenario).workload
+        base = replace(base, workload=replace(base.workload, input_tokens=w.input_tokens,
+                                              output_tokens=w.output_tokens))
+    rater = Rater(base, model, args.input_tokens, args.output_tokens)
+    progress = sys.stderr if sys.stderr.isatty() else None
+    if progress:
+        print("rating replica shapes in the simulator ...", file=progress, flush=True)
+    plan = plan_formation(inv, rater, args.budget, args.rate, inv.prices, args.objective)
+    fleet = fleet_file(plan, inv, model.name, slo)
+    if args.fleet_out:
+        with open(args.fleet_out, "w", encoding="utf-8") as out:
+            yaml.safe_dump(fleet, out, sort_keys=False)
+    checks: dict[str, dict[str, float]] = {}
+    if args.verify:
+        for f in (plan, one_per_gpu(inv, rater), tp_across_types(inv, rater, model)):
+            if progress:
+                print(f"measuring {f.name} ...", file=progress, flush=True)
+            g = measured_goodput(f, base, args.attainment)
+            checks[f.name] = {"goodput_rps": round(g, 3), "cost_per_hour": round(f.cost_per_hour, 2),
+                              "rps_per_dollar_hour": round(g / f.cost_per_hour, 4)
+                              if f.cost_per_hour > 0 else 0.0, "gpus": f.gpus}
+    if args.format == "json":
+        print(json.dumps(_json(plan, inv, args, fleet, checks), indent=1))
+    elif args.format == "fleet":
+        print(yaml.safe_dump(fleet, sort_keys=False), end="")
+    else:
+        _table(plan, inv, args, checks)
+    return 0
+
+
+def engine_flags(r: Replica, model: str) -> str:
+    shape, plan = r.rated.shape, r.rated.plan
+    st = shape.stages
+    flags = (f"vllm serve {model} --tensor-parallel-size {st[0].tp}")
+    env = ""
+    if len(r.devices) == 1 and len(r.hosts) == 1 and not r.added:
+        env = f"CUDA_VISIBLE_DEVICES={','.join(str(i) for i in r.devices[0])} "
+    if shape.pipelined:
+        layers = getattr(r.rated.perf, "layers", ())
+        flags += f" --pipeline-parallel-size {len(st)}"
+        env += f"VLLM_PP_LAYER_PARTITION={','.join(str(n) for n in layers)} "
+    return (f"{env}{flags} --max-num-seqs {plan.max_num_seqs} --max-num-batched-tokens "
+            f"{plan.max_num_batched_tokens} --enable-chunked-prefill")
+
+
+def fleet_file(plan: Formation, inv: Inventory, model: str, slo: Slo) -> dict[str, Any]:
+    """The ``tailguard serve`` fleet file of a formation (URLs on each first host)."""
+    variants: dict[str, GPU] = {}
+    catalog_name = {h.gpu.name: h.catalog_gpu for h in inv.hosts}
+    ports: dict[str, int] = {}
+    nodes = []
+    for r in plan.replicas:
+        shape = r.rated.shape
+        host = r.hosts[0]
+        port = ports.get(host, BASE_PORT)
+        ports[host] = port + 1
+        node: dict[str, Any] = {"id": f"{host}-{port - BASE_PORT}" if not r.added else host,
+                                "url": f"http://{host}:{port}"}
+        for st in shape.stages:
+            if catalog_name.get(st.gpu.name, st.gpu.name) != st.gpu.name:
+                variants[st.gpu.name] = st.gpu
+        if shape.pipelined:
+            node["stages"] = [{"gpu": s.gpu.name, "tp": s.tp} for s in shape.stages]
+            node["split"] = list(getattr(r.rated.perf, "layers", ()))
+            node["link_gbps"] = shape.link_gbps
+        else:
+            node["gpu"] = shape.stages[0].gpu.name
+            if shape.stages[0].tp > 1:
+                node["tp"] = shape.stages[0].tp
+        node["models"] = [model]
+        node["max_num_seqs"] = r.rated.plan.max_num_seqs
+        nodes.append(node)
+    doc: dict[str, Any] = {"listen": "0.0.0.0:8080", "nodes": nodes,
+                           "pools": {model: {"policy": "tailguard",
+                                             "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+                                             "limits": {"kind": "gradient"}}}}
+    if variants:
+        doc["catalog"] = {"gpus": [{k: v for k, v in asdict(g).items() if k != "aliases"}
+                                   for g in variants.values()]}
+    return doc
+
+
+def _dropped(plan: Formation) -> list[str]:
+    """GPU types with SLO capacity that the formation left out, at their best shape."""
+    used = {st.gpu for r in plan.replicas for st in r.rated.shape.stages}
+    best_of: dict[GPU, Rated] = {}
+    for r in plan.rated:
+        gpu = r.shape.stages[0].gpu
+        if r.capacity_rps > 0 and gpu not in used and (
+                gpu not in best_of or r.ratio > best_of[gpu].ratio):
+            best_of[gpu] = r
+    best = max((r.ratio for r in plan.rated), default=0.0)
+    return [f"{r.shape.name}: {r.ratio:.3f} req/s per $/h at best (the best shape: {best:.3f}); "
+            "--objective goodput or --rate uses it"
+            for r in sorted(best_of.values(), key=lambda r: -r.ratio)]
+
+
+def _classes(plan: Formation) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    total = plan.goodput_rps
+    for r in plan.replicas:
+        c = out.setdefault(r.rated.shape.name, {"replicas": 0, "gpus": 0, "goodput_rps": 0.0,
+                                                "cost_per_hour": 0.0})
+        c["replicas"] += 1
+        c["gpus"] += r.rated.shape.gpus
+        c["goodput_rps"] += r.rated.capacity_rps
+        c["cost_per_hour"] += r.rated.shape.cost_per_hour
+    for c in out.values():
+        c["share"] = c["goodput_rps"] / total if total > 0 else 0.0
+    return out
+
+
+def _json(plan: Formation, inv: Inventory, args: argparse.Namespace, fleet: dict[str, Any],
+          checks: dict[str, dict[str, float]]) -> dict[str, Any]:
+    out_tokens = args.output_tokens
+    classes = _classes(plan)
+    for c in classes.values():
+        c["usd_per_m_output_tokens"] = usd_per_million_tokens(c["cost_per_hour"],
+                                                              c["goodput_rps"], out_tokens)
+    return {
+        "model": args.model, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot,
+                                     "attainment": args.attainment},
+        "replicas": [{"shape": r.rated.shape.name, "hosts": list(r.hosts), "added": r.added,
+                      "gpus": r.rated.shape.gpus, "slo_capacity_rps": r.rated.capacity_rps,
+                      "cost_per_hour": r.rated.shape.cost_per_hour,
+                      "flags": engine_flags(r, args.model)} for r in plan.replicas],
+        "classes": classes,
+        "fleet": {"goodput_rps": plan.goodput_rps, "cost_per_hour": plan.cost_per_hour,
+                  "usd_per_m_output_tokens": usd_per_million_tokens(
+                      plan.cost_per_hour, plan.goodput_rps, out_tokens),
+                  "gpus": plan.gpus, "inventory_gpus": sum(h.count for h in inv.hosts)},
+        "unused": dict(plan.unused), "notes": list(plan.skipped),
+        "fleet_file": fleet, "verify": checks,
+    }
+
+
+def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
+           checks: dict[str, dict[str, float]]) -> None:
+    out_tokens = args.output_tokens
+    print(f"{args.model} on {sum(h.count for h in inv.hosts)} GPUs in {len(inv.hosts)} hosts; "
+          f"SLO TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.attainment:.0%}; "
+          f"lengths {args.scenario or args.lengths}")
+    print("replicas (SLO capacity: the simulator's, each replica alone):")
+    for r in plan.replicas:
+        s = r.rated.shape
+        where = "to buy" if r.added else "on " + ",".join(r.hosts)
+        print(f"  {s.name:<24} {where:<14} {r.rated.capacity_rps:7.2f} req/s  "
+              f"${s.cost_per_hour:6.2f}/h  {engine_flags(r, args.model)}")
+    for host, n in sorted(plan.unused.items()):
+        print(f"  unused: {n} GPU{'s' if n != 1 else ''} of {host}")
+    for note in plan.skipped:
+        print(f"  note: {note}")
+    for line in _dropped(plan):
+        print(f"  dropped: {line}")
+    print("per GPU class:")
+    for name, c in sorted(_classes(plan).items(), key=lambda kv: -kv[1]["goodput_rps"]):
+        usd = usd_per_million_tokens(c["cost_per_hour"], c["goodput_rps"], out_tokens)
+        print(f"  {name:<24} {int(c['replicas']):3d} replicas {c['goodput_rps']:8.2f} req/s "
+              f"({c['share']:.0%})  ${c['cost_per_hour']:7.2f}/h  ${usd:.2f} per M output tokens")
+    usd = usd_per_million_tokens(plan.cost_per_hour, plan.goodput_rps, out_tokens)
+    print(f"fleet: {plan.goodput_rps:.2f} req/s on {plan.gpus} GPUs, ${plan.cost_per_hour:.2f}/h, "
+          f"${usd:.2f} per M output tokens")
+    if args.rate and plan.goodput_rps < args.rate:
+        print(f"  short of --rate {args.rate:g} req/s: add GPUs (--budget buys them)")
+    if args.fleet_out:
+        print(f"fleet file for tailguard serve: {args.fleet_out}")
+    else:
+        print("fleet file for tailguard serve: --fleet-out FILE (or --format fleet)")
+    if checks:
+        print(f"verify (simulator, tailguard policy, SLO goodput at {args.attainment:.0%}):")
+        for name, c in checks.items():
+            print(f"  {name:<22} {c['goodput_rps']:8.2f} req/s  ${c['cost_per_hour']:7.2f}/h  "
+                  f"{c['rps_per_dollar_hour']:.3f} req/s per $/h")
+        mine = checks["planned"]["rps_per_dollar_hour"]
+        naive = max(c["rps_per_dollar_hour"] for n, c in checks.items() if n != "planned")
+        if naive > 0:
+            print(f"  planned / best naive: {mine / naive:.2f}x goodput per dollar")
