@@ -342,11 +342,19 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
     free = _Free(inv.hosts)
     replicas: list[Replica] = []
     rated = [r for s in homogeneous_shapes(inv, rater) if (r := rater.rate(s)) is not None]
-    if objective == "per-dollar" and budget is None and demand is None:
-        goal.floor = max((r.ratio for r in rated), default=0.0) * (1.0 - RATIO_TOLERANCE)
+    thrifty = objective == "per-dollar" and budget is None and demand is None
+
+    def raise_floor(options: Sequence[Rated]) -> None:
+        if thrifty:
+            top = max((r.ratio for r in options), default=0.0) * (1.0 - RATIO_TOLERANCE)
+            goal.floor = max(goal.floor, top)
+
+    raise_floor(rated)
     _fill(rated, free, goal, replicas)
     while goal.budget > 0 and goal.demand > 0:
-        best = [r for r in _mixed_round(free, inv, rater) if r.capacity_rps > 0]
+        best = sorted((r for r in _mixed_round(free, inv, rater) if r.capacity_rps > 0),
+                      key=lambda r: -r.ratio)
+        raise_floor(best)
         before = len(replicas)
         _fill(best[:1], free, goal, replicas)
         if len(replicas) == before:
