@@ -132,11 +132,19 @@ def test_a_demand_takes_the_cheapest_way_there_and_a_budget_buys_more() -> None:
     assert one is not None
     plan = plan_formation(inv, r, demand=2.5 * one.capacity_rps)
     assert len(plan.replicas) == 3 and plan.unused["a1"] == 8
-    # A budget above the inventory's cost drops nothing and buys the best shape.
-    big = plan_formation(inv, r, budget=inv.cost_per_hour + 3 * 4.25 + 0.1)
+    # A budget beyond the inventory goes to the best goodput per dollar: the owned
+    # H100s, then bought ones, while the A100s (less per dollar) are dropped.
+    budget = inv.cost_per_hour + 3 * 4.25
+    big = plan_formation(inv, r, budget=budget)
     added = [x for x in big.replicas if x.added]
-    assert len(added) == 3 and added[0].rated.shape.name == "H100-SXM"
-    assert big.cost_per_hour <= inv.cost_per_hour + 3 * 4.25 + 0.1
+    assert {x.rated.shape.name for x in big.replicas} == {"H100-SXM"}
+    assert len(added) == int(budget / 4.25) - 8 and big.unused == {"a1": 8}
+    assert budget - 4.25 < big.cost_per_hour <= budget
+    # Priced GPUs in no host may be bought when they are better per dollar.
+    cheap = parse_inventory({"hosts": [{"name": "a1", "gpu": "A100-80GB", "count": 1}],
+                             "prices": {"H100-SXM": 1.0}})
+    bought = plan_formation(cheap, r, budget=5.0)
+    assert [x.rated.shape.name for x in bought.replicas if x.added] == ["H100-SXM"] * 5
     # A small budget keeps the best goodput per dollar first.
     small = plan_formation(inv, r, budget=10.0)
     assert {x.rated.shape.name for x in small.replicas} == {"H100-SXM"}

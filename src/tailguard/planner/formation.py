@@ -9,7 +9,12 @@ workload's length distributions) with the engine settings the roofline plans
 for it (:func:`tailguard.planner.plan.engine_plan`). The roofline's own
 throughput at the SLO overrates weak shapes by up to 20x (a TPOT-bound A100
 running an 8B model at a 50 ms TPOT: 9.3 req/s by the formula, 2.5 measured),
-because queueing and prefill interference decide the tail.
+because queueing and prefill interference decide the tail. A shape is rated
+in a pool of POOL_GPUS GPUs' worth of copies behind a least-request balancer
+(8 TP-1 replicas, 4 TP-2, ...), its capacity per replica: rated alone, small
+replicas would lose what pooling gives them (on H200s and an 8B model, TP-2
+rated alone beat TP-1 by capacity per GPU, while the fleet of TP-1 replicas
+carried 11% more).
 
 Formation, greedy by SLO goodput per dollar (capacity / $ per hour):
 
@@ -27,16 +32,17 @@ Formation, greedy by SLO goodput per dollar (capacity / $ per hour):
    * ``goodput``: every shape with SLO capacity (GPUs already paid for);
    * a demand (``--rate``): once the capacities carry it, which is the
      cheapest formation that does;
-   * a budget (``--budget``): at the budget.
+   * a budget (``--budget``): at the budget (see 3).
 2. **Pipelines across types** from what is left: two stages of equal TP
    (vLLM runs one TP degree for every stage) on different GPU types or hosts,
    layers split by speed and memory (:func:`tailguard.core.pipeline.split_layers`).
    The roofline ranks the candidates and the simulator rates the best few;
    the best measured is taken, and so on until nothing left forms a replica
    with SLO capacity or the objective stops.
-3. **Budget left over** after the whole inventory buys more of the
-   best-ratio shape (of the inventory's GPU types and of those ``prices``
-   names).
+3. **Under a budget** a GPU costs the same owned or bought, so single-host
+   shapes of the inventory's types, and of the types ``prices`` names, may
+   go on to bought GPUs once the inventory's are taken: the best ratio takes
+   the budget, and what it leaves out of the inventory is what to drop.
 
 GPUs no shape can use within the SLO are left out and reported.
 
@@ -72,6 +78,8 @@ MAX_PP = 4
 MIXED_RATED = 4
 # The decode step at which a mixed TP group's slowest member is found.
 REFERENCE_BATCH, REFERENCE_CTX = 32, 1024.0
+# Shapes are rated in pools of this many GPUs (at least one replica).
+POOL_GPUS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +210,9 @@ class Rater:
                 plan = self.plan(perf)
                 engine = EngineConfig(max_num_seqs=plan.max_num_seqs,
                                       max_num_batched_tokens=plan.max_num_batched_tokens)
-                rated = Rated(shape, perf, plan, replica_capacity(self.scn, perf, engine))
+                copies = max(1, POOL_GPUS // shape.gpus)
+                rated = Rated(shape, perf, plan,
+                              replica_capacity(self.scn, perf, engine, copies=copies))
             self._memo[shape] = rated
         return self._memo[shape]
 
@@ -291,16 +301,22 @@ class _Goal:
         self.demand -= r.capacity_rps
 
 
-def _fill(rated: Sequence[Rated], free: _Free, goal: _Goal, replicas: list[Replica]) -> None:
-    """Take each shape best ratio first as often as GPUs and the goal allow."""
+def _fill(rated: Sequence[Rated], free: _Free, goal: _Goal, replicas: list[Replica],
+          buyable: frozenset[Shape] = frozenset()) -> None:
+    """Take each shape best ratio first as often as GPUs and the goal allow; a
+    shape in ``buyable`` goes on to bought GPUs once the inventory has none."""
     for r in sorted(rated, key=lambda r: (-r.ratio, r.shape.gpus, r.shape.name)):
         if r.capacity_rps <= 0:
             continue
         while goal.wants(r):
             taken = free.take(r.shape)
-            if taken is None:
+            if taken is not None:
+                replicas.append(Replica(r, *taken))
+            elif r.shape in buyable:
+                name = f"new-{r.shape.stages[0].gpu.name}-{sum(x.added for x in replicas)}"
+                replicas.append(Replica(r, (name,), (tuple(range(r.shape.gpus)),), added=True))
+            else:
                 break
-            replicas.append(Replica(r, *taken))
             goal.took(r)
 
 
@@ -323,17 +339,15 @@ def _mixed_round(free: _Free, inv: Inventory, rater: Rater) -> list[Rated]:
 
 
 def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
-                   demand: float | None = None, buyable: Sequence[GPU] = (),
-                   objective: str = "per-dollar") -> Formation:
+                   demand: float | None = None, objective: str = "per-dollar") -> Formation:
     """The planner's formation of ``inv`` (see the module docstring).
 
     ``objective``: ``per-dollar`` (without a budget or demand, only the shapes
     within RATIO_TOLERANCE of the best goodput per dollar; the rest is
     dropped) or ``goodput`` (every GPU that adds SLO goodput). ``budget``: $/h
-    not to exceed (GPUs beyond it are dropped, budget left over buys more).
+    not to exceed (shapes best ratio first, the inventory's GPUs before bought ones).
     ``demand``: the req/s to carry; formation stops once the replicas' SLO
-    capacities reach it, which is the cheapest way there. ``buyable``: GPU
-    types that may be bought besides the inventory's own.
+    capacities reach it, which is the cheapest way there.
     """
     if objective not in OBJECTIVES:
         raise ConfigError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -342,6 +356,10 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
     free = _Free(inv.hosts)
     replicas: list[Replica] = []
     rated = [r for s in homogeneous_shapes(inv, rater) if (r := rater.rate(s)) is not None]
+    buy: frozenset[Shape] = frozenset()
+    if budget is not None:  # GPUs cost alike owned or bought: the best ratio takes the budget
+        rated += _buyable(inv, rater)
+        buy = frozenset(r.shape for r in rated if not r.shape.pipelined)
     thrifty = objective == "per-dollar" and budget is None and demand is None
 
     def raise_floor(options: Sequence[Rated]) -> None:
@@ -350,7 +368,7 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
             goal.floor = max(goal.floor, top)
 
     raise_floor(rated)
-    _fill(rated, free, goal, replicas)
+    _fill(rated, free, goal, replicas, buy)
     while goal.budget > 0 and goal.demand > 0:
         best = sorted((r for r in _mixed_round(free, inv, rater) if r.capacity_rps > 0),
                       key=lambda r: -r.ratio)
@@ -359,8 +377,6 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
         _fill(best[:1], free, goal, replicas)
         if len(replicas) == before:
             break
-    if budget is not None and goal.budget > 0 and goal.demand > 0:
-        replicas += _buy(inv, rater, rated, buyable, goal)
     useful = {r.shape.stages[0].gpu.name for r in rated if r.capacity_rps > 0}
     skipped = tuple(sorted({f"{r.shape.stages[0].gpu.name}: no SLO capacity at any TP degree "
                             "(prefill or decode too slow for the SLO)"
@@ -369,26 +385,13 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
     return Formation("planned", tuple(replicas), unused, skipped, tuple(rated))
 
 
-def _buy(inv: Inventory, rater: Rater, rated: Sequence[Rated], buyable: Sequence[GPU],
-         goal: _Goal) -> list[Replica]:
-    """Replicas of the best-ratio single-host shape that the goal's budget buys."""
-    options = [r for r in rated if not r.shape.pipelined and r.capacity_rps > 0]
+def _buyable(inv: Inventory, rater: Rater) -> list[Rated]:
+    """Single-host shapes of GPU types priced but in no host (hosts of up to 8)."""
     known = {h.gpu.name for h in inv.hosts}
-    for gpu in buyable:
-        if gpu.name in known:
-            continue
-        for d in TP_DEGREES:
-            r = rater.rate(_single(gpu, d))
-            if r is not None and r.capacity_rps > 0:
-                options.append(r)
-    if not options:
-        return []
-    best = max(options, key=lambda r: (r.ratio, -r.shape.gpus))
-    out: list[Replica] = []
-    while goal.wants(best):
-        out.append(Replica(best, (f"new-{best.shape.stages[0].gpu.name}-{len(out)}",),
-                           (tuple(range(best.shape.gpus)),), added=True))
-        goal.took(best)
+    out = []
+    for gpu in inv.prices:
+        if gpu.name not in known:
+            out += [r for d in TP_DEGREES if (r := rater.rate(_single(gpu, d))) is not None]
     return out
 
 

@@ -80,7 +80,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     progress = sys.stderr if sys.stderr.isatty() else None
     if progress:
         print("rating replica shapes in the simulator ...", file=progress, flush=True)
-    plan = plan_formation(inv, rater, args.budget, args.rate, inv.prices, args.objective)
+    plan = plan_formation(inv, rater, args.budget, args.rate, args.objective)
     fleet = fleet_file(plan, inv, model.name, slo)
     if args.fleet_out:
         with open(args.fleet_out, "w", encoding="utf-8") as out:
@@ -250,3 +250,5 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
         naive = max(c["rps_per_dollar_hour"] for n, c in checks.items() if n != "planned")
         if naive > 0:
             print(f"  planned / best naive: {mine / naive:.2f}x goodput per dollar")
+        else:
+            print("  no naive formation serves anything within the SLO")

@@ -43,21 +43,24 @@ IDLE_LOAD = 0.02  # arrivals x a lone request's time: nearly never two at once
 
 
 def _meets(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: Sequence[float],
-           prompts: Sequence[int], outputs: Sequence[int], rate: float) -> bool:
+           prompts: Sequence[int], outputs: Sequence[int], copies: int, rate: float) -> bool:
     t = 0.0
     arrivals = []
     for g in gaps:
-        t += g / rate
+        t += g / (rate * copies)
         arrivals.append(t)
-    plan = NodePlan("probe#0", 0, perf, engine)
-    rec = run_cluster([plan], perf.model.name, arrivals, prompts, outputs, policy="round_robin",
+    plans = [NodePlan(f"probe#{i}", 0, perf, engine) for i in range(copies)]
+    rec = run_cluster(plans, perf.model.name, arrivals, prompts, outputs,
+                      policy="round_robin" if copies == 1 else "least_request",
                       slo=slo, seed=0, horizon_s=t * 1.5 + 60.0)
     return attainment(rec, slo, arrivals[int(len(arrivals) * WARMUP_SHARE)]) >= slo.attainment
 
 
 @functools.lru_cache(maxsize=256)
 def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float, ...],
-              prompts: tuple[int, ...], outputs: tuple[int, ...]) -> float:
+              prompts: tuple[int, ...], outputs: tuple[int, ...], copies: int = 1) -> float:
+    # ``copies`` > 1: the capacity per node of that many alike behind a
+    # least-request balancer (pooling lets each carry more than alone).
     # A node that cannot prefill enough of the prompts within the TTFT even when
     # idle has no SLO capacity: say so now. The search would halve its rate
     # down to 1e-4 req/s, and a probe's simulated time (its ticks) grows as the
@@ -81,7 +84,7 @@ def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float
     mean_in = sum(prompts) / len(prompts)
     # Rough start: a request's prefill plus its share of a batch-16 decode.
     guess = 1.0 / (perf.prefill_time(int(mean_in)) + mean_out * perf.decode_step(16, mean_in) / 16)
-    meets = functools.partial(_meets, perf, engine, slo, gaps, prompts, outputs)
+    meets = functools.partial(_meets, perf, engine, slo, gaps, prompts, outputs, copies)
     lo, hi = 0.0, guess
     if meets(hi):
         lo = hi
@@ -128,11 +131,12 @@ def node_capacity(scn: Scenario, plan: NodePlan, n: int = PROBE_REQUESTS) -> flo
 
 
 def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig,
-                     n: int = PROBE_REQUESTS) -> float:
+                     n: int = PROBE_REQUESTS, copies: int = 1) -> float:
     """SLO capacity (req/s) of a replica that is not (yet) in the scenario's fleet,
-    under the scenario's SLO and lengths (what the planner weighs formations by)."""
+    under the scenario's SLO and lengths (what the planner weighs formations by);
+    with ``copies``, per replica of that many pooled behind least-request."""
     gaps, prompts, outputs = probe_workload(scn, n)
-    return _capacity(perf, engine, scn.slo, gaps, prompts, outputs)
+    return _capacity(perf, engine, scn.slo, gaps, prompts, outputs, copies)
 
 
 def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS,
