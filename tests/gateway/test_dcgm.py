@@ -81,6 +81,7 @@ def test_gateway_shows_an_emulated_nodes_gpus_and_names_the_throttled_one() -> N
                 # a slow replica whose GPUs are all fine: the cause is elsewhere
                 ev = gw.fleet._with_gpu_cause(Event(1.0, "h0", "state", "degraded", "slow"))
                 assert ev.cause == "gpus_healthy"
+                assert ev.advice.startswith("its GPUs are healthy: restart the engine")
                 assert ev.reason == ("slow; all 2 GPUs healthy (DCGM): the engine, host or "
                                      "network then")
                 assert "H100" in str(t["warning"])  # the file said A100
@@ -101,6 +102,7 @@ def test_gateway_shows_an_emulated_nodes_gpus_and_names_the_throttled_one() -> N
                 assert ev.reason == ("slow: decode 1.9x its peers; GPU 0 of 2: hardware "
                                      "thermal slowdown, SM clock 0.99 of 1.98 GHz")
                 assert ev.cause == "gpu_throttle"  # what remediation rules match on
+                assert ev.advice.startswith("GPU 0 of 2 is throttling") and "--exclude" in ev.advice
                 # One GPU of the pair throttled: it alone is named; the replica runs at its pace.
                 server = emu.server("h0")
                 server.clear_faults()

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tailguard.cli import main
+from tailguard.core.events import remedy
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
@@ -21,7 +22,7 @@ from tailguard.planner.formation import (
     plan_formation,
     tp_across_types,
 )
-from tailguard.planner.inventory import parse_inventory
+from tailguard.planner.inventory import exclude, parse_inventory
 from tailguard.planner.verify import base_scenario
 
 CAT = DEFAULT_CATALOG
@@ -70,6 +71,26 @@ def test_bad_inventories_name_the_field(raw: dict[str, object], field: str) -> N
     with pytest.raises(ConfigError) as err:
         parse_inventory(raw)
     assert err.value.field == field
+
+
+def test_re_forming_around_a_sick_gpu() -> None:
+    """A detector event names the GPU; its advice points at --exclude, which forms
+    the replicas on the host's other GPUs (device indices skip the excluded one)."""
+    advice = remedy("gpu_throttle", 3, 4)
+    assert "restart the replica on 4 other GPUs" in advice and "--exclude HOST:3" in advice
+    assert remedy("gpus_healthy", None, 4).startswith("its GPUs are healthy")
+    assert remedy("gpu_xid", 0, 1).startswith("GPU 0 is showing XID errors: move the replica")
+    assert remedy("", None, 2) == ""
+    inv = parse_inventory({"hosts": [{"name": "h1", "gpu": "H100-SXM", "count": 4},
+                                     {"name": "h2", "gpu": "H100-SXM", "count": 1}]})
+    left = exclude(inv, "h1:2, h2:0")
+    assert [(h.name, h.count, h.usable) for h in left.hosts] == [("h1", 3, (0, 1, 3))]
+    plan = plan_formation(left, rater("llama-3.1-8b"))
+    assert sorted(r.devices for r in plan.replicas) == [((0,),), ((1,),), ((3,),)]
+    for bad in ("h1:9", "h3:0", "h1", "h1:x"):
+        with pytest.raises(ConfigError) as err:
+            exclude(inv, bad)
+        assert err.value.field == "--exclude"
 
 
 def test_tp_stays_inside_one_host_and_one_type() -> None:

@@ -146,7 +146,8 @@ def test_command_gets_the_node_in_its_environment(tmp_path: Path) -> None:
     env = json.loads(out.read_text())
     assert env == {"TAILGUARD_NODE_ID": "n1", "TAILGUARD_NODE_URL": "http://127.0.0.1:9",
                    "TAILGUARD_NODE_GPU": "L4", "TAILGUARD_NODE_REASON": "5 consecutive failures",
-                   "TAILGUARD_TRIGGER": "quarantined", "TAILGUARD_CAUSE": ""}
+                   "TAILGUARD_TRIGGER": "quarantined", "TAILGUARD_CAUSE": "",
+                   "TAILGUARD_ADVICE": ""}
 
 
 def test_command_failure_and_timeout_are_recorded() -> None:
@@ -183,7 +184,8 @@ def test_webhook_posts_json() -> None:
     asyncio.run(body())
     assert got == [{"body": {"node_id": "n1", "node_url": "http://127.0.0.1:9", "node_gpu": "L4",
                              "node_reason": "5 consecutive failures",
-                             "trigger": "quarantined", "cause": ""}, "token": "t"}]
+                             "trigger": "quarantined", "cause": "", "advice": ""},
+                    "token": "t"}]
 
 
 def test_kubernetes_without_the_package_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,6 +110,7 @@ def test_a_throttled_gpu_is_caught_named_and_costs_no_more_than_a_whole_replica_
     assert slow and all(e["node"] == "A100-80GB#1" for e in slow)
     assert slow[0]["cause"] == "gpu_throttle"
     assert "GPU 3 of 4: throttled to 50%" in slow[0]["reason"]
+    assert slow[0]["advice"].startswith("GPU 3 of 4 is throttling and holds the whole replica")
     # telemetry off: the same detection, no cause
     plain = run(scenario(one_gpu))
     assert all("cause" not in e for e in plain["events"])

@@ -126,18 +126,20 @@ class Dashboard:
                 reason = f"{e.get('action', '')} on {e.get('trigger', '')}: {e.get('detail', '')}"
             else:
                 reason = str(e.get("reason", ""))
-            self._add(float(e.get("time", time.time())), node, kind, str(state or ""), reason)
+            self._add(float(e.get("time", time.time())), node, kind, str(state or ""), reason,
+                      str(e.get("advice", "")))
 
     def on_event(self, ev: Event) -> None:
         """An event from the balancer's tick (its ``t`` is the monotonic clock)."""
         wall = time.time() - (time.monotonic() - ev.t)
         if ev.kind == "state":
             self._states[ev.node] = ev.state  # announced: the watcher must not repeat it
-        self._add(wall, ev.node, ev.kind, ev.state, ev.reason)
+        self._add(wall, ev.node, ev.kind, ev.state, ev.reason, ev.advice)
 
-    def _add(self, t: float, node: str, kind: str, state: str, reason: str) -> None:
+    def _add(self, t: float, node: str, kind: str, state: str, reason: str,
+             advice: str = "") -> None:
         self.events.append({"t": round(t, 3), "node": node, "kind": kind, "state": state,
-                            "reason": reason})
+                            "reason": reason, **({"advice": advice} if advice else {})})
 
     # -- handlers ------------------------------------------------------------------
 

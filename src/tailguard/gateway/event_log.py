@@ -34,6 +34,8 @@ class EventLog:
         entry = {"node": ev.node, "kind": ev.kind, "state": ev.state, "reason": ev.reason}
         if ev.cause:
             entry["cause"] = ev.cause
+        if ev.advice:
+            entry["advice"] = ev.advice
         self.add(entry)
 
     def since(self, seq: int = 0) -> list[dict[str, Any]]:

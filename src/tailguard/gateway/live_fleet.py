@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 
 from tailguard.core.balancer import Balancer, Event
+from tailguard.core.events import remedy
 from tailguard.core.fleet import NodeState
 from tailguard.core.hedging import Hedger, Hedgers
 from tailguard.core.retry_budget import RetryBudget
@@ -209,8 +210,9 @@ class LiveFleet:
         found = mon.gpu_cause_kind()
         if found is None:
             return ev
-        kind, text = found
-        return dataclasses.replace(ev, reason=f"{ev.reason}; {text}", cause=kind)
+        kind, text, gpu = found
+        return dataclasses.replace(ev, reason=f"{ev.reason}; {text}", cause=kind,
+                                   advice=remedy(kind, gpu, max(len(mon.gpus), 1)))
 
     def ready(self) -> bool:
         return any(n.state.routable for n in self.balancer.nodes.values())

@@ -197,9 +197,9 @@ class NodeMonitor:
         found = self.gpu_cause_kind()
         return found[1] if found is not None and found[0] != "gpus_healthy" else None
 
-    def gpu_cause_kind(self) -> tuple[str, str] | None:
-        """(kind, text) of the first GPU with a cause; ("gpus_healthy", text) when
-        fresh DCGM readings show none; None without readings."""
+    def gpu_cause_kind(self) -> tuple[str, str, int | None] | None:
+        """(kind, text, GPU index) of the first GPU with a cause; ("gpus_healthy",
+        text, None) when fresh DCGM readings show none; None without readings."""
         if not self.gpus or time.monotonic() - self.gpus_at > DCGM_FRESH_S:
             return None
         n = len(self.gpus)
@@ -207,9 +207,9 @@ class NodeMonitor:
             kind = g.cause_kind()
             text = g.cause(n if n > 1 else None)
             if kind is not None and text is not None:
-                return kind, text
+                return kind, text, g.index
         return "gpus_healthy", f"{'all ' if n > 1 else ''}{n} GPU{'s' if n > 1 else ''} " \
-                               "healthy (DCGM): the engine, host or network then"
+                               "healthy (DCGM): the engine, host or network then", None
 
     async def _dcgm_loop(self) -> None:
         interval = max(self.scrape.interval_s, DCGM_INTERVAL_S)

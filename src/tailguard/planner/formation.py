@@ -227,7 +227,7 @@ class _Free:
     def __init__(self, hosts: Iterable[Host]) -> None:
         self.hosts = list(hosts)
         self.free = {h.name: h.count for h in self.hosts}
-        self.size = {h.name: h.count for h in self.hosts}
+        self.devices = {h.name: h.usable for h in self.hosts}
 
     def take(self, shape: Shape, commit: bool = True) -> Placement | None:
         """Each stage's host and GPU indices (None: the free GPUs cannot hold it)."""
@@ -238,10 +238,10 @@ class _Free:
             if not fits:
                 return None
             name = min(fits, key=lambda n: (trial[n], n))
-            first = self.size[name] - trial[name]
+            first = len(self.devices[name]) - trial[name]
             trial[name] -= st.tp
             chosen.append(name)
-            devices.append(tuple(range(first, first + st.tp)))
+            devices.append(self.devices[name][first:first + st.tp])
         if commit:
             self.free = trial
         return tuple(chosen), tuple(devices)
@@ -404,7 +404,7 @@ def one_per_gpu(inv: Inventory, rater: Rater) -> Formation:
         if r is None:
             unused[h.name] = h.count
             continue
-        replicas += [Replica(r, (h.name,), devices=((i,),)) for i in range(h.count)]
+        replicas += [Replica(r, (h.name,), devices=((i,),)) for i in h.usable]
     return Formation("one replica per GPU", tuple(replicas), unused)
 
 

@@ -39,6 +39,11 @@ class Host:
     count: int
     link: str  # as written: nvlink, pcie or "<n> GB/s"
     catalog_gpu: str  # the catalog's name of the GPU (what a fleet file says)
+    devices: tuple[int, ...] = ()  # the GPU indices to use (default: 0 .. count-1)
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        return self.devices or tuple(range(self.count))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,30 @@ class Inventory:
         for h in self.hosts:
             out.add_gpu(h.gpu)
         return out
+
+
+def exclude(inv: Inventory, gpus: str) -> Inventory:
+    """``inv`` without the GPUs ``HOST:INDEX[,HOST:INDEX...]`` names (a straggling or
+    failed GPU to re-form around); a host left with none is dropped."""
+    out: dict[str, set[int]] = {}
+    by_name = {h.name: h for h in inv.hosts}
+    for item in (x.strip() for x in gpus.split(",") if x.strip()):
+        host, sep, index = item.rpartition(":")
+        if not sep or host not in by_name or not index.isdigit():
+            raise ConfigError("--exclude", f"must be HOST:GPU_INDEX of the inventory "
+                              f"(hosts: {', '.join(by_name)}), got {item!r}")
+        if int(index) not in by_name[host].usable:
+            raise ConfigError("--exclude", f"{host} has no GPU {index} "
+                              f"(0..{by_name[host].count - 1})")
+        out.setdefault(host, set()).add(int(index))
+    hosts = []
+    for h in inv.hosts:
+        left = tuple(i for i in h.usable if i not in out.get(h.name, set()))
+        if left:
+            hosts.append(replace(h, count=len(left), devices=left))
+    if not hosts:
+        raise ConfigError("--exclude", "leaves no GPU")
+    return replace(inv, hosts=tuple(hosts))
 
 
 def _link(raw: Any, gpu: GPU, where: str) -> tuple[float, str]:
@@ -117,4 +146,4 @@ def parse_inventory(raw: Any, catalog: Catalog = DEFAULT_CATALOG) -> Inventory:
     return Inventory(tuple(hosts), float(net), buyable)
 
 
-__all__ = ["Host", "Inventory", "parse_inventory"]
+__all__ = ["Host", "Inventory", "exclude", "parse_inventory"]

@@ -24,7 +24,7 @@ from tailguard.planner.formation import (
     tp_across_types,
     usd_per_million_tokens,
 )
-from tailguard.planner.inventory import Inventory, parse_inventory
+from tailguard.planner.inventory import Inventory, exclude, parse_inventory
 from tailguard.planner.verify import base_scenario, measured_goodput
 from tailguard.sim.scenario import load_scenario
 
@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --inventory: measure the formation's SLO goodput behind "
                         "tailguard in the simulator, beside two naive formations")
     p.add_argument("--fleet-out", help="with --inventory: write the fleet file here")
+    p.add_argument("--exclude", help="with --inventory: GPUs to form around, HOST:INDEX[,...] "
+                                     "(a straggling or failed GPU a detector event named)")
 
 
 def _positive(args: argparse.Namespace, name: str) -> None:
@@ -68,6 +70,8 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     if not 0 < args.attainment <= 1:
         raise ConfigError("--attainment", f"must be in (0, 1], got {args.attainment}")
     inv = parse_inventory(read_yaml(args.inventory, "inventory"))
+    if args.exclude:
+        inv = exclude(inv, args.exclude)
     model = DEFAULT_CATALOG.model(args.model, "--model")
     slo = Slo(args.slo_ttft, args.slo_tpot, args.attainment)
     lengths: tuple[Any, Any] = ({"dist": args.lengths}, {"dist": args.lengths})

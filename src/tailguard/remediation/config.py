@@ -19,8 +19,9 @@
           kubernetes: {namespace: inference}  # gpus_healthy: DCGM sees nothing wrong)
 
 A command gets ``TAILGUARD_NODE_ID``, ``TAILGUARD_NODE_URL``,
-``TAILGUARD_NODE_GPU``, ``TAILGUARD_NODE_REASON``, ``TAILGUARD_TRIGGER`` and
-``TAILGUARD_CAUSE`` in its environment; a webhook gets the same as a JSON body. Every value is
+``TAILGUARD_NODE_GPU``, ``TAILGUARD_NODE_REASON``, ``TAILGUARD_TRIGGER``,
+``TAILGUARD_CAUSE`` and ``TAILGUARD_ADVICE`` (what to do, from the cause) in
+its environment; a webhook gets the same as a JSON body. Every value is
 checked when the file is read.
 """
 

@@ -94,6 +94,8 @@ class Remediator:
         base = {"node": ev.node, "kind": "action", "trigger": rule.on, "action": rule.action}
         if ev.cause:
             base["cause"] = ev.cause
+        if ev.advice:
+            base["advice"] = ev.advice
         last = self._last.get(key)
         if last is not None and now - last < cfg.cooldown_s:
             self._record(base, "cooldown", f"acted {now - last:.0f} s ago")
@@ -135,7 +137,7 @@ class Remediator:
         return {"TAILGUARD_NODE_ID": ev.node, "TAILGUARD_NODE_URL": node.url if node else "",
                 "TAILGUARD_NODE_GPU": node.gpu_class if node else "",
                 "TAILGUARD_NODE_REASON": ev.reason, "TAILGUARD_TRIGGER": ev.state,
-                "TAILGUARD_CAUSE": ev.cause}
+                "TAILGUARD_CAUSE": ev.cause, "TAILGUARD_ADVICE": ev.advice}
 
     def _pod(self, rule: Rule, ev: Event) -> tuple[str, str | None]:
         node = self.fleet.nodes.get(ev.node)

@@ -34,6 +34,7 @@ from typing import Any
 from tailguard import engine as eng
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.balancer import Balancer, Event, PoolConfig
+from tailguard.core.events import remedy
 from tailguard.core.exchange import (
     COMMITTED,
     ENDED,
@@ -408,8 +409,11 @@ class ClusterSim:
         """A slow node's event with what its GPUs' telemetry says (as the gateway's)."""
         if ev.state not in ("degraded", "quarantined"):
             return ev
-        kind, text = self.nodes[self.by_id[ev.node]].gpu_cause()
-        return dataclasses.replace(ev, reason=f"{ev.reason}; {text}", cause=kind)
+        ns = self.nodes[self.by_id[ev.node]]
+        kind, text = ns.gpu_cause()
+        gpu = min(ns.ranks.items(), key=lambda kv: kv[1])[0] if ns.ranks else None
+        return dataclasses.replace(ev, reason=f"{ev.reason}; {text}", cause=kind,
+                                   advice=remedy(kind, gpu, ns.plan.perf.gpus))
 
     def _fault(self, fi: int, ending: bool, now: float) -> None:
         f = self.faults[fi]

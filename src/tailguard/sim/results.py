@@ -100,7 +100,8 @@ def compute_result(
         "per_gpu": dict(sorted(per_gpu.items())),
         "events": [
             {"t_s": round(e.t, 3), "node": e.node, "state": e.state, "reason": e.reason,
-             **({"cause": e.cause} if e.cause else {})}
+             **({"cause": e.cause} if e.cause else {}),
+             **({"advice": e.advice} if e.advice else {})}
             for e in rec.events
         ],
     }
