@@ -45,5 +45,50 @@ def check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str,
         if extensions and isinstance(key, str) and key.startswith("x-"):
             continue
         if key not in allowed:
-            raise ConfigError(f"{where}.{key}" if where else str(key), "unknown key",
+            raise ConfigError(field_name(where, str(key)), "unknown key",
                               list(allowed))
+
+
+def field_name(where: str, key: str) -> str:
+    """``where.key``, or ``key`` at the top level (``where`` empty)."""
+    return f"{where}.{key}" if where else key
+
+
+def _given(raw: Mapping[str, Any], key: str, name: str, default: object) -> Any:
+    """The value under ``key`` (None when absent or null, an error if then required)."""
+    value = raw.get(key)
+    if value is None and default is None:
+        raise ConfigError(name, "is required")
+    return value
+
+
+def number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None,
+           positive: bool = True, minimum: float | None = None) -> float:
+    """A number under ``key``: > 0 when ``positive``, >= ``minimum`` when given;
+    ``default`` when absent or null (None: the key is required)."""
+    name = field_name(where, key)
+    value = _given(raw, key, name, default)
+    if value is None:
+        return default  # type: ignore[return-value]  # _given raised if both are None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(name, f"must be > 0, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(name, f"must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = None,
+            minimum: int = 1) -> int:
+    """An integer >= ``minimum`` under ``key``; ``default`` when absent or null
+    (None: the key is required)."""
+    name = field_name(where, key)
+    value = _given(raw, key, name, default)
+    if value is None:
+        return default  # type: ignore[return-value]  # _given raised if both are None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(name, f"must be >= {minimum}, got {value!r}")
+    return value

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from tailguard.config_file import check_keys, require_mapping
+from tailguard.config_file import check_keys, integer, require_mapping
 from tailguard.core.hardware import Catalog
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.outliers import OutlierConfig
@@ -83,18 +83,11 @@ def parse_hedging(raw: Any, where: str = "hedging") -> HedgeConfig:
     return cfg
 
 
-def _count(m: Mapping[str, Any], key: str, where: str, default: int, minimum: int = 1) -> int:
-    value = m.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}.{key}", f"must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | None:
     """A fleet entry's pipeline (``pp`` stages of ``tp`` x ``gpu``, or ``stages``);
     None for a replica of one stage. Scenario fleets and ``tailguard serve``'s
     nodes spell it alike (``PIPELINE_KEYS``)."""
-    has_stages, pp = "stages" in g, _count(g, "pp", w, 1)
+    has_stages, pp = "stages" in g, integer(g, "pp", w, 1)
     if not has_stages and pp == 1:
         for key in ("split", "overlap", "microbatches", "link_gbps"):
             if key in g:
@@ -115,11 +108,11 @@ def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | Non
             if "gpu" not in st:
                 raise ConfigError(f"{sw}.gpu", "is required", [x.name for x in catalog.gpus])
             stages.append(StageSpec(catalog.gpu(str(st["gpu"]), f"{sw}.gpu"),
-                                    _count(st, "tp", sw, 1)))
+                                    integer(st, "tp", sw, 1)))
     else:
         if "gpu" not in g:
             raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
-        one = StageSpec(catalog.gpu(str(g["gpu"]), f"{w}.gpu"), _count(g, "tp", w, 1))
+        one = StageSpec(catalog.gpu(str(g["gpu"]), f"{w}.gpu"), integer(g, "tp", w, 1))
         stages = [one] * pp
     split: str | tuple[int, ...] = "speed"
     raw_split = g.get("split", "speed")
@@ -139,5 +132,5 @@ def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | Non
     link = g.get("link_gbps", 0.0)
     if isinstance(link, bool) or not isinstance(link, int | float) or link < 0:
         raise ConfigError(f"{w}.link_gbps", f"must be a number >= 0 (GB/s), got {link!r}")
-    return Layout(tuple(stages), split, _count(g, "microbatches", w, 0, minimum=0), overlap,
+    return Layout(tuple(stages), split, integer(g, "microbatches", w, 0, minimum=0), overlap,
                   float(link))

@@ -48,7 +48,7 @@ from typing import Any
 
 from yarl import URL
 
-from tailguard.config_file import check_keys, read_yaml, require_mapping
+from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
 from tailguard.core.admission import AdmissionConfig, parse_admission
 from tailguard.core.balancer import PoolConfig
 from tailguard.core.fleet import NodeSpec
@@ -304,31 +304,6 @@ class FleetConfig:
 # -- value checks ------------------------------------------------------------------
 
 
-def _number(raw: Mapping[str, Any], key: str, where: str, default: float,
-            minimum: float = 0.0, allow_zero: bool = False) -> float:
-    value = raw.get(key)
-    if value is None:
-        return default
-    name = f"{where}.{key}" if where else key
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(name, f"must be a number, got {value!r}")
-    if value < minimum or (value == minimum and not allow_zero):
-        raise ConfigError(name, f"must be {'>=' if allow_zero else '>'} {minimum:g}, got {value!r}")
-    return float(value)
-
-
-def _integer(raw: Mapping[str, Any], key: str, where: str, default: int, minimum: int = 1) -> int:
-    value = raw.get(key)
-    if value is None:
-        return default
-    name = f"{where}.{key}" if where else key
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(name, f"must be >= {minimum}, got {value!r}")
-    return value
-
-
 def _string(raw: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
     value = raw.get(key)
     name = f"{where}.{key}" if where else key
@@ -412,10 +387,10 @@ def parse_slo(raw: Any, where: str) -> Slo:
     m = require_mapping(raw, where)
     check_keys(m, ("ttft_s", "tpot_s", "attainment"), where, extensions=True)
     base = Slo()
-    att = _number(m, "attainment", where, base.attainment)
+    att = number(m, "attainment", where, base.attainment)
     if att > 1.0:
         raise ConfigError(f"{where}.attainment", f"must be in (0, 1], got {att!r}")
-    return Slo(_number(m, "ttft_s", where, base.ttft_s), _number(m, "tpot_s", where, base.tpot_s),
+    return Slo(number(m, "ttft_s", where, base.ttft_s), number(m, "tpot_s", where, base.tpot_s),
                att)
 
 
@@ -425,10 +400,10 @@ def parse_timeouts(raw: Any, where: str) -> Timeouts:
     m = require_mapping(raw, where)
     check_keys(m, ("connect_s", "first_byte_s", "idle_s", "total_s"), where, extensions=True)
     b = Timeouts()
-    return Timeouts(_number(m, "connect_s", where, b.connect_s),
-                    _number(m, "first_byte_s", where, b.first_byte_s),
-                    _number(m, "idle_s", where, b.idle_s),
-                    _number(m, "total_s", where, b.total_s))
+    return Timeouts(number(m, "connect_s", where, b.connect_s),
+                    number(m, "first_byte_s", where, b.first_byte_s),
+                    number(m, "idle_s", where, b.idle_s),
+                    number(m, "total_s", where, b.total_s))
 
 
 def parse_retries(raw: Any, where: str) -> RetryConfig:
@@ -439,11 +414,11 @@ def parse_retries(raw: Any, where: str) -> RetryConfig:
     m = require_mapping(raw, where)
     check_keys(m, ("attempts", "budget", "min_per_s"), where, extensions=True)
     b = RetryConfig()
-    budget = _number(m, "budget", where, b.budget, allow_zero=True)
+    budget = number(m, "budget", where, b.budget, positive=False, minimum=0.0)
     if budget > 1.0:
         raise ConfigError(f"{where}.budget", f"must be in [0, 1] (a share of requests), got {budget}")
-    return RetryConfig(_integer(m, "attempts", where, b.attempts),
-                         budget, _number(m, "min_per_s", where, b.min_per_s, allow_zero=True))
+    return RetryConfig(integer(m, "attempts", where, b.attempts),
+                         budget, number(m, "min_per_s", where, b.min_per_s, positive=False, minimum=0.0))
 
 
 def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG) -> PoolSettings:
@@ -504,7 +479,7 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
     labels = require_mapping(m.get("labels") or {}, f"{where}.labels")
     weight = m.get("weight")
     if weight is not None:
-        weight = _number(m, "weight", where, 1.0)
+        weight = number(m, "weight", where, 1.0)
     api_key_env = m.get("api_key_env")
     if api_key_env is not None:
         api_key_env = _string(m, "api_key_env", where)
@@ -521,9 +496,9 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
         dcgm_url = parse_url(dcgm_url, f"{where}.dcgm_url")
     return NodeConfig(
         id=node_id, url=url, gpu=gpu, gpu_spec=gpu_spec, models=tuple(models_raw),
-        tp=_integer(m, "tp", where, 1) if layout is None else layout.stages[0].tp, engine=engine,
+        tp=integer(m, "tp", where, 1) if layout is None else layout.stages[0].tp, engine=engine,
         labels={str(k): str(v) for k, v in labels.items()}, weight=weight,
-        max_num_seqs=_integer(m, "max_num_seqs", where, 256), api_key_env=api_key_env,
+        max_num_seqs=integer(m, "max_num_seqs", where, 256), api_key_env=api_key_env,
         dcgm_url=dcgm_url, faults=faults, emulator=dict(emulator), layout=layout,
     )
 
@@ -603,18 +578,18 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
     scrape_raw = require_mapping(m.get("scrape") or {}, "scrape")
     check_keys(scrape_raw, ("interval_s", "stale_s", "timeout_s", "path"), "scrape", extensions=True)
     s = ScrapeSettings()
-    scrape = ScrapeSettings(_number(scrape_raw, "interval_s", "scrape", s.interval_s),
-                            _number(scrape_raw, "stale_s", "scrape", s.stale_s),
-                            _number(scrape_raw, "timeout_s", "scrape", s.timeout_s),
+    scrape = ScrapeSettings(number(scrape_raw, "interval_s", "scrape", s.interval_s),
+                            number(scrape_raw, "stale_s", "scrape", s.stale_s),
+                            number(scrape_raw, "timeout_s", "scrape", s.timeout_s),
                             _path(scrape_raw, "path", "scrape", s.path))
     health_raw = require_mapping(m.get("health") or {}, "health")
     check_keys(health_raw, ("interval_s", "timeout_s", "path", "failures", "successes"), "health", extensions=True)
     h = HealthSettings()
-    health = HealthSettings(_number(health_raw, "interval_s", "health", h.interval_s),
-                            _number(health_raw, "timeout_s", "health", h.timeout_s),
+    health = HealthSettings(number(health_raw, "interval_s", "health", h.interval_s),
+                            number(health_raw, "timeout_s", "health", h.timeout_s),
                             _path(health_raw, "path", "health", h.path),
-                            _integer(health_raw, "failures", "health", h.failures),
-                            _integer(health_raw, "successes", "health", h.successes))
+                            integer(health_raw, "failures", "health", h.failures),
+                            integer(health_raw, "successes", "health", h.successes))
     reload_raw = require_mapping(m.get("reload") or {}, "reload")
     check_keys(reload_raw, ("poll_s",), "reload", extensions=True)
     client_raw = require_mapping(m.get("client") or {}, "client")
@@ -622,11 +597,11 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
                             "write_timeout_s", "max_connections"), "client", extensions=True)
     c = ClientSettings()
     client = ClientSettings(
-        _number(client_raw, "header_timeout_s", "client", c.header_timeout_s),
-        _number(client_raw, "body_timeout_s", "client", c.body_timeout_s),
-        _number(client_raw, "idle_timeout_s", "client", c.idle_timeout_s),
-        _number(client_raw, "write_timeout_s", "client", c.write_timeout_s),
-        _integer(client_raw, "max_connections", "client", 1)
+        number(client_raw, "header_timeout_s", "client", c.header_timeout_s),
+        number(client_raw, "body_timeout_s", "client", c.body_timeout_s),
+        number(client_raw, "idle_timeout_s", "client", c.idle_timeout_s),
+        number(client_raw, "write_timeout_s", "client", c.write_timeout_s),
+        integer(client_raw, "max_connections", "client", 1)
         if "max_connections" in client_raw else None)
     return FleetConfig(
         listen=parse_listen(m.get("listen")),
@@ -634,11 +609,11 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         pools=pools,
         admin=parse_admin(m.get("admin")),
         api_keys=_parse_api_keys(m),
-        max_body_bytes=_integer(m, "max_body_bytes", "", DEFAULT_MAX_BODY_BYTES),
+        max_body_bytes=integer(m, "max_body_bytes", "", DEFAULT_MAX_BODY_BYTES),
         scrape=scrape,
         health=health,
-        reload_poll_s=_number(reload_raw, "poll_s", "reload", 1.0, allow_zero=True),
-        shutdown_timeout_s=_number(m, "shutdown_timeout_s", "", 30.0, allow_zero=True),
+        reload_poll_s=number(reload_raw, "poll_s", "reload", 1.0, positive=False, minimum=0.0),
+        shutdown_timeout_s=number(m, "shutdown_timeout_s", "", 30.0, positive=False, minimum=0.0),
         emulator=dict(require_mapping(m.get("emulator") or {}, "emulator")),
         catalog=catalog,
         path=path,

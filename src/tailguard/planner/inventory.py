@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tailguard.config_file import check_keys, require_mapping
+from tailguard.config_file import check_keys, integer, number, require_mapping
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, GPU, Catalog
 from tailguard.errors import ConfigError
 
@@ -109,14 +109,10 @@ def parse_inventory(raw: Any, catalog: Catalog = DEFAULT_CATALOG) -> Inventory:
     check_keys(m, ("hosts", "prices", "network_gbps"), "")
     prices: Mapping[str, Any] = require_mapping(m.get("prices") or {}, "prices")
     price_of: dict[str, float] = {}
-    for name, value in prices.items():
+    for name in prices:
         g = catalog.gpu(str(name), f"prices.{name}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ConfigError(f"prices.{name}", f"must be $/GPU-hour > 0, got {value!r}")
-        price_of[g.name] = float(value)
-    net = m.get("network_gbps", DEFAULT_PERF.pp_link_gbps)
-    if isinstance(net, bool) or not isinstance(net, int | float) or net <= 0:
-        raise ConfigError("network_gbps", f"must be GB/s > 0, got {net!r}")
+        price_of[g.name] = number(prices, name, "prices")  # $/GPU-hour
+    net = number(m, "network_gbps", "", DEFAULT_PERF.pp_link_gbps)
     hosts_raw = m.get("hosts")
     if not isinstance(hosts_raw, list) or not hosts_raw:
         raise ConfigError("hosts", "must be a non-empty list of {name, gpu, count}")
@@ -133,9 +129,7 @@ def parse_inventory(raw: Any, catalog: Catalog = DEFAULT_CATALOG) -> Inventory:
         if name in names:
             raise ConfigError(f"{w}.name", f"duplicate host {name!r}")
         names.add(name)
-        count = h.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ConfigError(f"{w}.count", f"must be an integer >= 1, got {count!r}")
+        count = integer(h, "count", w, 1)
         gbps, link = _link(h.get("link"), base, f"{w}.link")
         gpu = replace(base, price_per_hour=price_of.get(base.name, base.price_per_hour),
                       interconnect_gbps=gbps, aliases=())

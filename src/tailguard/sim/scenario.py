@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailguard.config_file import check_keys, read_yaml, require_mapping
+from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
 from tailguard.core.admission import AdmissionConfig, parse_admission
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
@@ -146,36 +146,6 @@ class Scenario:
                     speed = 1.0 + rng.uniform(-g.speed_spread, g.speed_spread)
                 out.append(NodePlan(f"{g.gpu}#{i}", gi, perf, g.engine, speed))
         return out
-
-
-def number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None,
-           positive: bool = True, minimum: float | None = None) -> float:
-    if key not in raw or raw[key] is None:
-        if default is None:
-            raise ConfigError(f"{where}.{key}", "is required")
-        return default
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}.{key}", f"must be a number, got {value!r}")
-    if positive and value <= 0:
-        raise ConfigError(f"{where}.{key}", f"must be > 0, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{where}.{key}", f"must be >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = None,
-            minimum: int = 1) -> int:
-    if key not in raw or raw[key] is None:
-        if default is None:
-            raise ConfigError(f"{where}.{key}", "is required")
-        return default
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}.{key}", f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{where}.{key}", f"must be >= {minimum}, got {value!r}")
-    return value
 
 
 def parse_slo(raw: Any, where: str = "slo") -> Slo:
