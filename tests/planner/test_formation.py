@@ -223,6 +223,12 @@ def test_cli_verify_beats_naive_where_weak_gpus_miss_the_tpot(
     assert len(fleet.nodes) == len(doc["replicas"])
     assert all(n.gpu_spec is not None for n in fleet.nodes)
     assert yaml.safe_load(out.read_text()) == doc["fleet_file"]
+    # A demand is met as measured, not only as rated: grown until the simulated
+    # fleet carries it (or the inventory is spent).
+    assert main([*base, "--rate", "12", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    got = doc["fleet"]["measured_goodput_rps"]
+    assert got >= 12 or doc["fleet"]["gpus"] == 3, doc["fleet"]
     assert main([*base, "--objective", "goodput"]) == 0
     table = capsys.readouterr().out
     assert "2xL4" in table and "per M output tokens" in table and "CUDA_VISIBLE_DEVICES=0,1" in table

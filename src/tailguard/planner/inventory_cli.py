@@ -25,7 +25,12 @@ from tailguard.planner.formation import (
     usd_per_million_tokens,
 )
 from tailguard.planner.inventory import Inventory, exclude, parse_inventory
-from tailguard.planner.verify import base_scenario, measured_goodput
+from tailguard.planner.verify import (
+    attainment_at,
+    base_scenario,
+    measured_goodput,
+    plan_for_demand,
+)
 from tailguard.sim.scenario import load_scenario
 
 BASE_PORT = 8000
@@ -84,7 +89,12 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     progress = sys.stderr if sys.stderr.isatty() else None
     if progress:
         print("rating replica shapes in the simulator ...", file=progress, flush=True)
-    plan = plan_formation(inv, rater, args.budget, args.rate, args.objective)
+    measured: dict[str, float] = {}
+    if args.rate:
+        plan, measured["planned"] = plan_for_demand(inv, rater, args.rate, base, args.attainment,
+                                                    args.budget, args.objective)
+    else:
+        plan = plan_formation(inv, rater, args.budget, None, args.objective)
     fleet = fleet_file(plan, inv, model.name, slo)
     if args.fleet_out:
         with open(args.fleet_out, "w", encoding="utf-8") as out:
@@ -94,16 +104,24 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         for f in (plan, one_per_gpu(inv, rater), tp_across_types(inv, rater, model)):
             if progress:
                 print(f"measuring {f.name} ...", file=progress, flush=True)
-            g = measured_goodput(f, base, args.attainment)
+            g = measured.get(f.name)
+            if g is None:
+                g = measured_goodput(f, base, args.attainment)
             checks[f.name] = {"goodput_rps": round(g, 3), "cost_per_hour": round(f.cost_per_hour, 2),
                               "rps_per_dollar_hour": round(g / f.cost_per_hour, 4)
                               if f.cost_per_hour > 0 else 0.0, "gpus": f.gpus}
+            if args.rate:  # and how it serves the demand itself
+                checks[f.name]["attainment_at_rate"] = round(
+                    attainment_at(f, base, args.rate), 4)
     if args.format == "json":
-        print(json.dumps(_json(plan, inv, args, fleet, checks), indent=1))
+        doc = _json(plan, inv, args, fleet, checks)
+        if "planned" in measured:
+            doc["fleet"]["measured_goodput_rps"] = round(measured["planned"], 3)
+        print(json.dumps(doc, indent=1))
     elif args.format == "fleet":
         print(yaml.safe_dump(fleet, sort_keys=False), end="")
     else:
-        _table(plan, inv, args, checks)
+        _table(plan, inv, args, checks, measured.get("planned"))
     return 0
 
 
@@ -214,12 +232,13 @@ def _json(plan: Formation, inv: Inventory, args: argparse.Namespace, fleet: dict
 
 
 def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
-           checks: dict[str, dict[str, float]]) -> None:
+           checks: dict[str, dict[str, float]], measured: float | None) -> None:
     out_tokens = args.output_tokens
     print(f"{args.model} on {sum(h.count for h in inv.hosts)} GPUs in {len(inv.hosts)} hosts; "
           f"SLO TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.attainment:.0%}; "
           f"lengths {args.scenario or args.lengths}")
-    print("replicas (SLO capacity: the simulator's, each replica alone):")
+    print("replicas (SLO capacity each: the simulator's, in a pool of 8 GPUs' worth of "
+          "the shape):")
     for r in plan.replicas:
         s = r.rated.shape
         where = "to buy" if r.added else "on " + ",".join(r.hosts)
@@ -237,10 +256,14 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
         print(f"  {name:<24} {int(c['replicas']):3d} replicas {c['goodput_rps']:8.2f} req/s "
               f"({c['share']:.0%})  ${c['cost_per_hour']:7.2f}/h  ${usd:.2f} per M output tokens")
     usd = usd_per_million_tokens(plan.cost_per_hour, plan.goodput_rps, out_tokens)
-    print(f"fleet: {plan.goodput_rps:.2f} req/s on {plan.gpus} GPUs, ${plan.cost_per_hour:.2f}/h, "
+    print(f"fleet: {plan.goodput_rps:.2f} req/s on {plan.gpus} GPUs (the capacities' sum; a "
+          f"small fleet pools less: --verify measures it), ${plan.cost_per_hour:.2f}/h, "
           f"${usd:.2f} per M output tokens")
-    if args.rate and plan.goodput_rps < args.rate:
-        print(f"  short of --rate {args.rate:g} req/s: add GPUs (--budget buys them)")
+    if args.rate:
+        got = measured or 0.0
+        print(f"  measured SLO goodput {got:.2f} req/s for --rate {args.rate:g} (simulator, "
+              "tailguard policy)" + ("" if got >= args.rate else
+                                    ": short of it; add GPUs (--budget buys them)"))
     if args.fleet_out:
         print(f"fleet file for tailguard serve: {args.fleet_out}")
     else:
@@ -248,8 +271,10 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
     if checks:
         print(f"verify (simulator, tailguard policy, SLO goodput at {args.attainment:.0%}):")
         for name, c in checks.items():
+            at = (f"; {c['attainment_at_rate']:.1%} within the SLO at {args.rate:g} req/s"
+                  if "attainment_at_rate" in c else "")
             print(f"  {name:<22} {c['goodput_rps']:8.2f} req/s  ${c['cost_per_hour']:7.2f}/h  "
-                  f"{c['rps_per_dollar_hour']:.3f} req/s per $/h")
+                  f"{c['rps_per_dollar_hour']:.3f} req/s per $/h{at}")
         mine = checks["planned"]["rps_per_dollar_hour"]
         naive = max(c["rps_per_dollar_hour"] for n, c in checks.items() if n != "planned")
         if naive > 0:

@@ -17,9 +17,10 @@ from typing import Any
 
 from tailguard.core.hardware import Catalog
 from tailguard.core.policies import Slo
-from tailguard.planner.formation import Formation, Shape
+from tailguard.planner.formation import Formation, Rater, Shape, plan_formation
+from tailguard.planner.inventory import Inventory
 from tailguard.sim.capacity import fleet_capacity
-from tailguard.sim.run import find_goodput
+from tailguard.sim.run import find_goodput, make_requests, run_policy
 from tailguard.sim.scenario import FleetGroup, PolicyChoice, Scenario
 from tailguard.sim.workload import parse_workload
 
@@ -75,4 +76,37 @@ def measured_goodput(formation: Formation, base: Scenario, target: float | None 
                         target if target is not None else scn.slo.attainment)
 
 
-__all__ = ["base_scenario", "formation_scenario", "measured_goodput"]
+def plan_for_demand(inv: Inventory, rater: Rater, demand: float, base: Scenario,
+                    target: float, budget: float | None = None, objective: str = "per-dollar",
+                    rounds: int = 12) -> tuple[Formation, float]:
+    """The cheapest formation whose measured SLO goodput carries ``demand``, and that
+    goodput. Shapes are rated in pools of 8 GPUs' worth (formation.POOL_GPUS), which
+    overrates a small fleet (two H100s planned 91.7 req/s, measured 48.2), so the
+    formation grows a replica at a time (the next in goodput per dollar) until the
+    measurement carries the demand, the inventory has nothing more to give or
+    ``rounds`` are spent."""
+    plan = plan_formation(inv, rater, budget, demand, objective)
+    got = measured_goodput(plan, base, target)
+    for _ in range(rounds):
+        if got >= demand or plan.goodput_rps <= 0:
+            break
+        more = plan_formation(inv, rater, budget, plan.goodput_rps + 1e-6, objective)
+        if len(more.replicas) == len(plan.replicas):
+            break  # nothing more within the inventory (and budget)
+        plan, got = more, measured_goodput(more, base, target)
+    return plan, got
+
+
+def attainment_at(formation: Formation, base: Scenario, rate: float) -> float:
+    """SLO attainment of the formation behind tailguard at ``rate`` req/s (Poisson)."""
+    if not formation.replicas:
+        return 0.0
+    scn = formation_scenario(formation, base)
+    scn = replace(scn, workload=replace(scn.workload, arrival=replace(
+        scn.workload.arrival, rate=rate, load=None)))
+    res = run_policy(scn, POLICY, make_requests(scn, rate), fleet_capacity(scn), rate)
+    return float(res["slo_attainment"])
+
+
+__all__ = ["attainment_at", "base_scenario", "formation_scenario", "measured_goodput",
+           "plan_for_demand"]
