@@ -31,11 +31,10 @@ from tailguard.core.policies import Slo
 from tailguard.planner.formation import (
     Formation,
     Rater,
-    one_per_gpu,
     plan_formation,
-    tp_across_types,
 )
 from tailguard.planner.inventory import NVLINK_MIN_GBPS, parse_inventory
+from tailguard.planner.naive import one_per_gpu, tp_across_types
 from tailguard.planner.verify import base_scenario, measured_goodput
 
 GPUS = ("H200", "H100-SXM", "H100-PCIe", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4", "T4")

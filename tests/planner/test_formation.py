@@ -18,11 +18,10 @@ from tailguard.planner.formation import (
     Rated,
     Rater,
     Shape,
-    one_per_gpu,
     plan_formation,
-    tp_across_types,
 )
 from tailguard.planner.inventory import exclude, parse_inventory
+from tailguard.planner.naive import one_per_gpu, tp_across_types
 from tailguard.planner.verify import base_scenario
 
 CAT = DEFAULT_CATALOG

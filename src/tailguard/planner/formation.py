@@ -46,18 +46,14 @@ Formation, greedy by SLO goodput per dollar (capacity / $ per hour):
 
 GPUs no shape can use within the SLO are left out and reported.
 
-Two naive formations are kept to measure against: **one replica per GPU**
-(TP-1 wherever the model fits) and **TP across types** (the inventory's GPUs
-in order, in TP groups of the smallest degree that fits on every GPU, across
-host and type boundaries: a group steps at its slowest member and
-all-reduces over the network when it spans hosts).
+The naive formations it is measured against are in :mod:`tailguard.planner.naive`.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tailguard.core.hardware import GPU, Model, PerfModel
 from tailguard.core.pipeline import Layout, PipelinePerf, StageSpec
@@ -76,8 +72,6 @@ RATIO_TOLERANCE = 0.05
 MAX_PP = 4
 # Cross-type pipelines the simulator rates per round, the roofline's best first.
 MIXED_RATED = 4
-# The decode step at which a mixed TP group's slowest member is found.
-REFERENCE_BATCH, REFERENCE_CTX = 32, 1024.0
 # Shapes are rated in pools of this many GPUs (at least one replica).
 POOL_GPUS = 8
 
@@ -217,7 +211,8 @@ class Rater:
         return self._memo[shape]
 
 
-def _single(gpu: GPU, tp: int) -> Shape:
+def single(gpu: GPU, tp: int) -> Shape:
+    """A TP group of ``tp`` x ``gpu`` in one host."""
     return Shape((StageSpec(gpu, tp),), gpu.price_per_hour * tp)
 
 
@@ -267,7 +262,7 @@ def homogeneous_shapes(inv: Inventory, rater: Rater) -> list[Shape]:
         total[h.gpu] = total.get(h.gpu, 0) + h.count
     shapes: list[Shape] = []
     for gpu, most in biggest.items():
-        singles = [_single(gpu, d) for d in TP_DEGREES if d <= most]
+        singles = [single(gpu, d) for d in TP_DEGREES if d <= most]
         fitting = [s for s in singles if rater.perf(s) is not None]
         if fitting:
             shapes += fitting
@@ -391,59 +386,9 @@ def _buyable(inv: Inventory, rater: Rater) -> list[Rated]:
     out = []
     for gpu in inv.prices:
         if gpu.name not in known:
-            out += [r for d in TP_DEGREES if (r := rater.rate(_single(gpu, d))) is not None]
+            out += [r for d in TP_DEGREES if (r := rater.rate(single(gpu, d))) is not None]
     return out
 
 
-def one_per_gpu(inv: Inventory, rater: Rater) -> Formation:
-    """Naive: a TP-1 replica on every GPU the model fits on, whatever its SLO capacity."""
-    replicas: list[Replica] = []
-    unused: dict[str, int] = {}
-    for h in inv.hosts:
-        r = rater.rate(_single(h.gpu, 1))
-        if r is None:
-            unused[h.name] = h.count
-            continue
-        replicas += [Replica(r, (h.name,), devices=((i,),)) for i in h.usable]
-    return Formation("one replica per GPU", tuple(replicas), unused)
-
-
-def tp_across_types(inv: Inventory, rater: Rater, model: Model) -> Formation:
-    """Naive: the GPUs in inventory order, in TP groups of the smallest degree that
-    fits on every GPU, across hosts and types."""
-    kinds = {h.gpu for h in inv.hosts}
-    degree = next((d for d in TP_DEGREES
-                   if all(PerfModel(g, model, d).fits for g in kinds)), None)
-    gpus = [(h, h.gpu) for h in inv.hosts for _ in range(h.count)]
-    if degree is None:
-        return Formation("TP across types", (), {h.name: h.count for h in inv.hosts})
-    replicas: list[Replica] = []
-    for i in range(0, len(gpus) - degree + 1, degree):
-        members = gpus[i:i + degree]
-        hosts = tuple(dict.fromkeys(h.name for h, _ in members))
-        slowest = max(dict.fromkeys(g for _, g in members),
-                      key=lambda g: PerfModel(g, model, degree).decode_step(REFERENCE_BATCH,
-                                                                              REFERENCE_CTX))
-        smallest = min((g for _, g in members), key=lambda g: g.mem_gb)
-        label = "+".join(dict.fromkeys(g.name for _, g in members))
-        gpu = slowest
-        if len(hosts) > 1 or "+" in label:  # its own modelled type: the slowest member's
-            # speed, the smallest one's memory, all-reduces over the network across hosts
-            link = inv.network_gbps if len(hosts) > 1 else slowest.interconnect_gbps
-            gpu = replace(slowest, name=f"{slowest.name}@{'net' if len(hosts) > 1 else 'mix'}"
-                          f"{smallest.mem_gb:g}", mem_gb=smallest.mem_gb,
-                          interconnect_gbps=min(link, slowest.interconnect_gbps))
-        shape = Shape((StageSpec(gpu, degree),), sum(g.price_per_hour for _, g in members),
-                      label=f"TP{degree}[{label}]" if degree > 1 else "")
-        r = rater.rate(shape)
-        if r is not None:
-            replicas.append(Replica(r, ("+".join(hosts),)))
-    used = len(replicas) * degree
-    unused: dict[str, int] = {}
-    for h, _ in gpus[used:]:
-        unused[h.name] = unused.get(h.name, 0) + 1
-    return Formation("TP across types", tuple(replicas), unused)
-
-
-__all__ = ["Formation", "Rated", "Rater", "Replica", "Shape", "one_per_gpu", "plan_formation",
-           "tp_across_types", "usd_per_million_tokens"]
+__all__ = ["Formation", "Rated", "Rater", "Replica", "Shape", "plan_formation",
+           "single", "usd_per_million_tokens"]

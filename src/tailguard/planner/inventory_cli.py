@@ -19,12 +19,11 @@ from tailguard.planner.formation import (
     Rated,
     Rater,
     Replica,
-    one_per_gpu,
     plan_formation,
-    tp_across_types,
     usd_per_million_tokens,
 )
 from tailguard.planner.inventory import Inventory, exclude, parse_inventory
+from tailguard.planner.naive import one_per_gpu, tp_across_types
 from tailguard.planner.verify import (
     attainment_at,
     base_scenario,
