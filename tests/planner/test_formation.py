@@ -228,6 +228,11 @@ def test_cli_verify_beats_naive_where_weak_gpus_miss_the_tpot(
     doc = json.loads(capsys.readouterr().out)
     got = doc["fleet"]["measured_goodput_rps"]
     assert got >= 12 or doc["fleet"]["gpus"] == 3, doc["fleet"]
+    # Every shape weighed, best goodput per dollar first; lengths from a scenario.
+    assert [x["shape"] for x in doc["shapes"]][:1] == ["H100-SXM"]
+    scn = Path(__file__).parents[2] / "scenarios" / "mixed.yaml"
+    assert main([*base, "--scenario", str(scn)]) == 0
+    assert "lengths " + str(scn) in capsys.readouterr().out
     assert main([*base, "--objective", "goodput"]) == 0
     table = capsys.readouterr().out
     assert "2xL4" in table and "per M output tokens" in table and "CUDA_VISIBLE_DEVICES=0,1" in table

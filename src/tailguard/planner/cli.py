@@ -12,6 +12,9 @@ from tailguard.errors import ConfigError
 from tailguard.planner.inventory_cli import add_arguments, cmd_inventory
 from tailguard.planner.plan import plan_groups, sglang_flags, vllm_flags
 
+# The Azure LLM inference trace's conversation means (prompt, answer tokens).
+AZURE_CONV_MEANS = (1155.0, 211.0)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="engine batch settings and gateway limits per GPU type",
@@ -27,10 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--model", required=True, help="catalog model (see `tailguard models`)")
     p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds")
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds")
-    p.add_argument("--input-tokens", type=float, default=1155.0,
-                   help="typical prompt length (default: Azure conversation mean, 1155)")
-    p.add_argument("--output-tokens", type=float, default=211.0,
-                   help="typical answer length (default: Azure conversation mean, 211)")
+    p.add_argument("--input-tokens", type=float,
+                   help="typical prompt length (default: Azure conversation mean, 1155; with "
+                        "--inventory, the mean of the lengths rated under)")
+    p.add_argument("--output-tokens", type=float,
+                   help="typical answer length (default: Azure conversation mean, 211; with "
+                        "--inventory, the mean of the lengths rated under)")
     p.add_argument("--tp", help="TP degrees to plan each GPU type at, e.g. 1,2,4 (default: "
                                 "the fleet's own), each with the type's node count; shares are then "
                                 "over all the listed options")
@@ -44,7 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tailguard.gateway.config import load_fleet
 
     for name in ("slo_tpot", "slo_ttft", "input_tokens", "output_tokens"):
-        if not getattr(args, name) > 0:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise ConfigError("--" + name.replace("_", "-"), "must be > 0")
     if (args.fleet is None) == (args.inventory is None):
         raise ConfigError("--fleet", "give either --fleet (plan its nodes) or --inventory "
@@ -55,6 +60,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cmd_inventory(args)
     if args.format == "fleet":
         raise ConfigError("--format", "fleet needs --inventory")
+    args.input_tokens = args.input_tokens or AZURE_CONV_MEANS[0]
+    args.output_tokens = args.output_tokens or AZURE_CONV_MEANS[1]
     config = load_fleet(args.fleet)
     model = DEFAULT_CATALOG.model(args.model, "--model")
     counts: Counter[tuple[str, int]] = Counter()

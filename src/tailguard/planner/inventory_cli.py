@@ -84,6 +84,12 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         w = load_scenario(args.scenario).workload
         base = replace(base, workload=replace(base.workload, input_tokens=w.input_tokens,
                                               output_tokens=w.output_tokens))
+    dists = base.workload.input_tokens, base.workload.output_tokens
+    if dists[0] is None or dists[1] is None:
+        raise ConfigError("--scenario", "its workload must give length distributions, "
+                                        "not a trace")
+    args.input_tokens = args.input_tokens or dists[0].mean()
+    args.output_tokens = args.output_tokens or dists[1].mean()
     rater = Rater(base, model, args.input_tokens, args.output_tokens)
     progress = sys.stderr if sys.stderr.isatty() else None
     if progress:
@@ -221,6 +227,10 @@ def _json(plan: Formation, inv: Inventory, args: argparse.Namespace, fleet: dict
                       "cost_per_hour": r.rated.shape.cost_per_hour,
                       "flags": engine_flags(r, args.model)} for r in plan.replicas],
         "classes": classes,
+        "shapes": [{"shape": r.shape.name, "gpus": r.shape.gpus,
+                    "slo_capacity_rps": r.capacity_rps, "cost_per_hour": r.shape.cost_per_hour,
+                    "rps_per_dollar_hour": r.ratio}
+                   for r in sorted(plan.rated, key=lambda r: -r.ratio)],
         "fleet": {"goodput_rps": plan.goodput_rps, "cost_per_hour": plan.cost_per_hour,
                   "usd_per_m_output_tokens": usd_per_million_tokens(
                       plan.cost_per_hour, plan.goodput_rps, out_tokens),
@@ -235,7 +245,8 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
     out_tokens = args.output_tokens
     print(f"{args.model} on {sum(h.count for h in inv.hosts)} GPUs in {len(inv.hosts)} hosts; "
           f"SLO TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.attainment:.0%}; "
-          f"lengths {args.scenario or args.lengths}")
+          f"lengths {args.scenario or args.lengths} (means {args.input_tokens:.0f} in, "
+          f"{args.output_tokens:.0f} out)")
     print("replicas (SLO capacity each: the simulator's, in a pool of 8 GPUs' worth of "
           "the shape):")
     for r in plan.replicas:
