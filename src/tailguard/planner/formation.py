@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 
 from tailguard.core.hardware import GPU, Model, PerfModel
 from tailguard.core.pipeline import Layout, PipelinePerf, StageSpec
-from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.planner.inventory import Host, Inventory
 from tailguard.planner.plan import EnginePlan, engine_plan
@@ -115,11 +114,6 @@ class Rated:
     perf: PerfModel
     plan: EnginePlan
     capacity_rps: float
-
-    @property
-    def engine(self) -> EngineConfig:
-        return EngineConfig(max_num_seqs=self.plan.max_num_seqs,
-                            max_num_batched_tokens=self.plan.max_num_batched_tokens)
 
     @property
     def ratio(self) -> float:
@@ -202,11 +196,9 @@ class Rater:
             rated = None
             if perf is not None:
                 plan = self.plan(perf)
-                engine = EngineConfig(max_num_seqs=plan.max_num_seqs,
-                                      max_num_batched_tokens=plan.max_num_batched_tokens)
                 copies = max(1, POOL_GPUS // shape.gpus)
                 rated = Rated(shape, perf, plan,
-                              replica_capacity(self.scn, perf, engine, copies=copies))
+                              replica_capacity(self.scn, perf, plan.engine, copies=copies))
             self._memo[shape] = rated
         return self._memo[shape]
 
@@ -254,11 +246,10 @@ class _Free:
 def homogeneous_shapes(inv: Inventory, rater: Rater) -> list[Shape]:
     """TP within one host for every GPU type; a pipeline of the type's hosts where
     the model fits no host of the type alone."""
-    biggest: dict[GPU, int] = {}
-    for h in inv.hosts:
-        biggest[h.gpu] = max(biggest.get(h.gpu, 0), h.count)
+    biggest: dict[GPU, int] = {}  # the largest host of each type, and all its GPUs
     total: dict[GPU, int] = {}
     for h in inv.hosts:
+        biggest[h.gpu] = max(biggest.get(h.gpu, 0), h.count)
         total[h.gpu] = total.get(h.gpu, 0) + h.count
     shapes: list[Shape] = []
     for gpu, most in biggest.items():

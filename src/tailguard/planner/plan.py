@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from tailguard.core.hardware import DEFAULT_PERF, GPU, Model, PerfModel, PerfParams
 from tailguard.core.limits import planned_limit
+from tailguard.engine import EngineConfig
 
 # vLLM refuses a token budget below its sequence limit; a budget under a few
 # dozen tokens makes prefill crawl for no TPOT gain.
@@ -66,6 +67,12 @@ class EnginePlan:
     initial_limit: int
     tpot_at_batch_s: float
     tokens_per_s: float
+
+    @property
+    def engine(self) -> EngineConfig:
+        """The engine settings it stands for (chunked prefill on)."""
+        return EngineConfig(max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens)
 
 
 def engine_plan(perf: PerfModel, slo_tpot: float, input_tokens: float, output_tokens: float,

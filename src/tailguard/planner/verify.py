@@ -51,7 +51,7 @@ def formation_scenario(formation: Formation, base: Scenario) -> Scenario:
     engines = {}
     for r in formation.replicas:
         counts[r.rated.shape] += 1
-        engines[r.rated.shape] = r.rated.engine
+        engines[r.rated.shape] = r.rated.plan.engine
         for st in r.rated.shape.stages:
             catalog.add_gpu(st.gpu)
     groups = []
