@@ -7,8 +7,9 @@ is *rated* by the simulator, not by a formula: its SLO capacity
 serves within the TTFT and TPOT SLOs at the attainment target, under the
 workload's length distributions) with the engine settings the roofline plans
 for it (:func:`tailguard.planner.plan.engine_plan`). The roofline's own
-throughput at the SLO overrates weak shapes by up to 20x (a TPOT-bound A100
-running an 8B model at a 50 ms TPOT: 9.3 req/s by the formula, 2.5 measured),
+throughput at the SLO overrates weak shapes by up to 20x (an 8B model at a
+50 ms TPOT: a TP-2 L4 pair 1.91 req/s by the formula, 0.09 measured; an A100
+9.3 against 2.5),
 because queueing and prefill interference decide the tail. A shape is rated
 in a pool of POOL_GPUS GPUs' worth of copies behind a least-request balancer
 (8 TP-1 replicas, 4 TP-2, ...), its capacity per replica: rated alone, small
