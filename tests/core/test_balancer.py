@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
@@ -218,8 +220,36 @@ def test_progress_that_judges_no_piece_changes_nothing() -> None:
             assert b.on_stream_progress(t, 5, 0.5) == 1.1  # too early: ask again at 1.1 s
             assert b.on_stream_progress(t, 7, 1.2) == 1.2  # too few tokens: next chunk
         b.on_finish(t, 1.3, Outcome.OK, 8)
+        b.tick(1.5)  # the decode window closes: its samples are judged
         levels = b.outliers.health["n0"].decode.levels
         samples.append(({k: tuple(v) for k, v in levels.items()},
                         b.nodes["n0"].capacity.decode.samples))
     assert samples[0] == samples[1]
     assert len(samples[0][0]) == 1 and samples[0][1] == 1  # one sample each, the same
+
+
+def test_prompt_work_accrues_while_it_computes() -> None:
+    """A prompt's work is spread from its dispatch to its predicted first token, so a
+    decode judged in pieces meanwhile is expected to be slowed by it; a first token
+    before then credits the rest, a request that ends first drops it."""
+    b = make(1)
+    node = b.nodes["n0"]
+    entry = node.start_work(0.4, 2.0, 10.0)  # 0.4 s of work over [10, 12]
+    assert node.work_at(10.0) == 0.0
+    assert node.work_at(11.0) == pytest.approx(0.2)
+    other = node.start_work(0.1, 1.0, 11.0)  # over [11, 12]
+    assert node.work_at(11.5) == pytest.approx(0.3 + 0.05)
+    node.end_work(0.1, other, 11.5)  # early first token: the rest at once
+    assert node.work_at(11.5) == pytest.approx(0.3 + 0.1)
+    assert node.work_at(13.0) == pytest.approx(0.4 + 0.1)  # accrued whole by 12
+    node.end_work(0.4, entry, 13.0)  # a late first token adds nothing more
+    assert node.work_at(20.0) == pytest.approx(0.5) and node.work_rate == 0.0
+    gone = node.start_work(1.0, 1.0, 20.0)
+    node.end_work(1.0, gone, 20.25, computed=False)  # cancelled: what it ran stays
+    assert node.work_at(30.0) == pytest.approx(0.75)
+    # Through the balancer: picked, streamed, finished, the node's total is every prompt's.
+    t = b.pick(MODEL, 2000, 40.0)
+    assert t is not None and t.work > 0.0
+    b.on_first_token(t, 40.05)
+    b.on_finish(t, 42.0, Outcome.OK, 100)
+    assert node.work_at(42.0) == pytest.approx(0.75 + t.work)

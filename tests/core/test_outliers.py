@@ -376,3 +376,33 @@ def test_what_every_node_meets_at_once_is_not_one_nodes_slowness() -> None:
             rig.now += 0.05
         rig.tick()
     assert [(n, s) for _, n, s in rig.events] == [("A100-80GB#1", "degraded")]
+
+
+def test_a_windows_samples_are_one_sample() -> None:
+    """Where decode is judged in pieces, the dozens of samples a busy node gives in one
+    second timed the same moments of it: they count as one. A healthy node 1.2x its
+    peers' level (a batch bucket they run faster), its 40 streams a second sharing
+    each second's ups and downs, is left alone; counted one by one (the whole-answer
+    way, ``segment_s`` 0) the same samples degrade it. A node 2x slow is still caught
+    within 3 s."""
+    def run(bias: float, seconds: int, cfg: OutlierConfig = CFG) -> list[tuple[float, str, str]]:
+        rig = Rig(["A100"] * 3, cfg)
+        noise = random.Random(5)
+        odd = rig.nodes["A100-80GB#2"]
+        for second in range(seconds):
+            moment = {n: math.exp(noise.gauss(0.0, 0.1)) for n in rig.nodes}  # per node
+            for _ in range(40):
+                for nid, node in rig.nodes.items():
+                    r = bias if node is odd and second >= 60 else 1.0
+                    x = r * moment[nid] * math.exp(noise.gauss(0.0, 0.03))
+                    rig.det.on_decode(node, 0.02 * x, 0.02, 64, rig.now, rig.now - 0.5)
+                rig.now += 0.025
+            rig.tick()
+        return rig.events
+
+    assert run(1.2, 180) == []
+    assert ("A100-80GB#2", "degraded") in [(n, s) for _, n, s in
+                                           run(1.2, 180, replace(CFG, segment_s=0.0))]
+    caught = run(2.0, 70)  # its first slow window closes at 61 s
+    assert [(n, s) for _, n, s in caught] == [("A100-80GB#2", "degraded")]
+    assert caught[0][0] <= 60 + 3

@@ -138,13 +138,18 @@ def test_router_and_learner_cap_the_batch_at_the_engine_slots() -> None:
     tickets = [b.pick(MODEL, 100, 0.0) for _ in range(8)]
     for t in tickets:
         b.on_first_token(t, 0.1)
+    # Three more prompts come in and are computed during its decode (each prompt's
+    # work accrues from its dispatch to its predicted first token): each token
+    # shared the engine with them.
+    later = [b.pick(MODEL, 100, 0.3) for _ in range(3)]
+    for t in later:
+        b.on_first_token(t, 0.4)
     b.on_finish(tickets[0], 1.1, Outcome.OK, 101)  # 10 ms per token
     pool = tickets[0].pool
     step4 = decode_step_s(perf, 4, pool.mean_prompt + pool.mean_output / 2)
-    # The other seven prompts were computed during its decode (their first tokens came
-    # after its own): each token shared the engine with them.
     duty = (node.prefill_work_s - tickets[0].work_at_first) * node.class_prefill_slowdown / 1.0
     assert duty > 0.0
+    assert node.prefill_work_s == pytest.approx(sum(t.work for t in tickets + later))
     expected = interleaved_tpot(step4, duty, saturated_step_s(perf, 4, pool.mean_prompt
                                                                + pool.mean_output / 2))
     assert abs(node.capacity.decode.log_ratio - math.log(0.01 / expected) / 3.0) < 1e-9

@@ -101,10 +101,9 @@ def test_a_throttled_gpu_is_caught_named_and_costs_no_more_than_a_whole_replica_
                 "at_s": 60, "duration_s": 80}]
     res = run(scenario(one_gpu, gpu_telemetry=True))
     det = res["outliers"]["time_to_detect"][0]
-    # ~1 sample per second per replica, and a TPOT is measured at the finish over a whole
-    # generation (~10 s here): the first ones after the fault show part of the 2x, and a
-    # 2x TTFT alone flags nothing (it asks 3x: TTFT carries the queue)
-    assert det["state"] in ("degraded", "quarantined") and det["detected_s"] <= 25.0
+    # Each stream's decode is judged in one-second pieces as it runs (as live): the
+    # issue asks for 15 s; measured 2 s over seeds 1-4 (7-20 s judging whole answers)
+    assert det["state"] in ("degraded", "quarantined") and det["detected_s"] <= 15.0
     assert res["outliers"]["false_detections"] == 0
     slow = [e for e in res["events"] if e["state"] in ("degraded", "quarantined")]
     assert slow and all(e["node"] == "A100-80GB#1" for e in slow)

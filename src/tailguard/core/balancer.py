@@ -98,6 +98,7 @@ class Ticket:
     """A dispatched request's permit on a node, and what is measured about it."""
 
     __slots__ = (
+        "accrual",
         "ahead_tokens",
         "backlog",
         "batch_at_dispatch",
@@ -149,9 +150,10 @@ class Ticket:
         self.seg_t = -1.0
         self.seg_tokens = 1
         self.seg_batch = 0
-        self.seg_work = 0.0  # the node's prompt work computed by seg_t (Node.prefill_work_s)
+        self.seg_work = 0.0  # the node's prompt work computed by seg_t (Node.work_at)
         self.work_at_first = 0.0  # ... and by the first token
         self.work = 0.0  # what its prompt adds to the node's steps (predict.prefill_extra_s)
+        self.accrual: list[float] | None = None  # its work as the node accrues it (start_work)
 
     @property
     def node_id(self) -> str:
@@ -507,7 +509,10 @@ class Balancer:
             ticket.work = prefill_extra_s(node.perf, ticket.backlog, running,
                                           pool.mean_prompt + pool.mean_output * 0.5)
             node.add_dispatched_work(ticket.work)
-        ticket.due = now + ticket.expected_ttft() * node.class_prefill_slowdown * OVERDUE_FACTOR
+        expected = ticket.expected_ttft() * node.class_prefill_slowdown
+        ticket.due = now + expected * OVERDUE_FACTOR
+        if ticket.work > 0.0:
+            ticket.accrual = node.start_work(ticket.work, expected, now)
         node.awaits(ticket)
         node.dispatched_total += 1
         if node.limiter is not None:
@@ -540,8 +545,8 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1
-            node.prefill_work_s += ticket.work  # computed: counted where it ran
-        ticket.seg_work = ticket.work_at_first = node.prefill_work_s
+            node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
+        ticket.seg_work = ticket.work_at_first = node.work_at(now)
         node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
         if defer_prefill:
@@ -615,9 +620,10 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             if outcome is Outcome.OK:  # a short non-streamed answer: computed all the same
-                node.prefill_work_s += ticket.work
+                node.end_work(ticket.work, ticket.accrual, now)
             else:  # its prompt will not be computed: no longer work the node has to do
                 node.withdraw_work(ticket.work)
+                node.end_work(ticket.work, ticket.accrual, now, computed=False)
                 node.left_unanswered(ticket.due if outcome is Outcome.CLIENT_CANCELLED
                                      else math.inf, now)
         else:
@@ -664,16 +670,25 @@ class Balancer:
         computed since ``since`` (when its total was ``work_then``), at the class's
         learned prefill speed (:func:`interleaved_tpot`)."""
         node, pool = ticket.node, ticket.pool
+        # The streams of one node told at one tick share all of it (the simulator
+        # tells each one each second): computed once for them.
+        key = (pool.name, batch_then, since, work_then, now, node.fleet_in_flight,
+               pool.mean_prompt, pool.mean_output, node.class_prefill_slowdown,
+               node.remote_ratio)
+        memo = node.decode_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
         batch = running_batch(node.perf, node.slots,
                               max(1, (batch_then + node.fleet_in_flight + 1) // 2),
                               pool.mean_prompt + pool.mean_output)
         ctx = pool.mean_prompt + pool.mean_output * 0.5
         step = decode_step_s(node.perf, batch, ctx)
         span = now - since
-        work = node.prefill_work_s - work_then
+        work = node.work_at(now) - work_then
         if span > 0.0 and work > 0.0:
             duty = work * (1.0 + node.remote_ratio) * node.class_prefill_slowdown / span
             step = interleaved_tpot(step, duty, saturated_step_s(node.perf, batch, ctx))
+        node.decode_memo = (key, (batch, step))
         return batch, step
 
     def on_stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
@@ -704,7 +719,7 @@ class Balancer:
         ticket.seg_t = now
         ticket.seg_tokens = tokens
         ticket.seg_batch = ticket.node.fleet_in_flight
-        ticket.seg_work = ticket.node.prefill_work_s
+        ticket.seg_work = ticket.node.work_at(now)
         return now + seg_s
 
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
@@ -756,7 +771,7 @@ class Balancer:
             node.prefilling -= 1
             node.prefill_backlog -= ticket.backlog
             node.decoding += 1
-            node.prefill_work_s += ticket.work  # computed: counted where it ran
+            node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
             moved.add(ticket.pool.name)
         for name in sorted(moved):  # a shorter backlog may admit a waiter
             pool = self.pools.get(name)

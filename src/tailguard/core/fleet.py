@@ -10,6 +10,7 @@ lately. Both drivers update it only through :class:`tailguard.core.balancer.Bala
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -187,6 +188,7 @@ class Node:
         "class_decode_slowdown",
         "class_prefill_slowdown",
         "decode_excess",
+        "decode_memo",
         "decoding",
         "dispatched_total",
         "duty",
@@ -222,6 +224,10 @@ class Node:
         "tpot",
         "ttft",
         "weight_scale",
+        "work_ends",
+        "work_rate",
+        "work_seq",
+        "work_t",
     )
 
     def __init__(self, spec: NodeSpec, perf: PerfModel) -> None:
@@ -262,7 +268,18 @@ class Node:
         # replica's (times 1 + remote_ratio for the fleet's), decayed over DUTY_TAU_S
         # at each tick: the rate given, not the rate computed, since a node stalled
         # or behind still has those prompts to compute beside its next decodes.
-        self.prefill_work_s = 0.0
+        # Prompt computation (roofline seconds of extra decode-step time), spread
+        # over the time each prompt computes (work_at): accrued at work_rate from
+        # its dispatch, at the rate that ends it by its predicted first token; the
+        # rest credited at its first token. A decode judged in one-second pieces
+        # then sees the prompt that slowed it while it ran, not in the piece after.
+        self.prefill_work_s = 0.0  # accrued by work_t
+        self.work_t = 0.0
+        self.work_rate = 0.0
+        self.work_ends: list[tuple[float, int, list[float]]] = []  # (end, seq, accrual)
+        self.work_seq = 0
+        # Balancer._decode_expected's last answer: (its inputs, (batch, step)).
+        self.decode_memo: tuple[tuple[object, ...], tuple[int, float]] | None = None
         self.duty = 0.0
         self.duty_sq = 0.0
         self.duty_t = 0.0
@@ -321,6 +338,55 @@ class Node:
             return self.prefill_backlog
         est = self.remote_backlog + ratio * (self.prefill_backlog - self.own_backlog_base)
         return self.prefill_backlog + (int(est) if est > 0.0 else 0)
+
+    def work_at(self, now: float) -> float:
+        """The prompt work computed by ``now`` (seconds, see ``prefill_work_s``)."""
+        t = self.work_t
+        if now == t:  # asked again at once (the streams of one tick): nothing new ends
+            return self.prefill_work_s
+        rate, base, ends = self.work_rate, self.prefill_work_s, self.work_ends
+        if now > t or ends:
+            while ends and ends[0][0] <= now:
+                end, _, entry = heapq.heappop(ends)
+                if entry[1]:
+                    base += rate * max(0.0, end - t)
+                    t = max(t, end)
+                    rate -= entry[0]
+                    entry[1] = 0.0
+            if not ends:
+                rate = 0.0
+            base += rate * max(0.0, now - t)
+            self.prefill_work_s, self.work_rate = base, rate
+            self.work_t = max(t, now)
+        return self.prefill_work_s
+
+    def start_work(self, seconds: float, duration_s: float, now: float) -> list[float] | None:
+        """A prompt of ``seconds`` of work dispatched, expected to compute over the next
+        ``duration_s``; returns its accrual, for :meth:`end_work`."""
+        self.work_at(now)
+        if duration_s <= 0.0 or seconds <= 0.0:
+            return None
+        entry = [seconds / duration_s, 1.0, now + duration_s]  # rate, alive, end
+        self.work_rate += entry[0]
+        self.work_seq += 1
+        heapq.heappush(self.work_ends, (now + duration_s, self.work_seq, entry))
+        return entry
+
+    def end_work(self, seconds: float, entry: list[float] | None, now: float,
+                 computed: bool = True) -> None:
+        """The prompt's computation ended by ``now``: what it had not accrued is
+        credited (``computed``), or dropped (its request ended first)."""
+        self.work_at(now)
+        if entry is None:
+            if computed:
+                self.prefill_work_s += seconds
+            return
+        if not entry[1]:
+            return  # accrued whole already
+        entry[1] = 0.0
+        self.work_rate -= entry[0]
+        if computed:  # the rest of it: seconds minus what the rate gave so far
+            self.prefill_work_s += entry[0] * max(0.0, entry[2] - now)
 
     def add_dispatched_work(self, seconds: float) -> None:
         """Prompt computation (roofline seconds) dispatched to the node."""

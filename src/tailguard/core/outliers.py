@@ -75,8 +75,10 @@ that way; acting at once, the simulated healthy hour still has no detection).
 
 A streamed answer's decode is judged in pieces as it runs (``segment_s``, 1 s,
 and at least 8 tokens each, where the driver reports the stream's progress, as
-the gateway does): a node slowed mid-answer shows within a second or two of
-the answers running on it, not when they end.
+the gateway and the simulator do): a node slowed mid-answer shows within a
+second or two of the answers running on it, not when they end. The decode
+samples of one node and batch bucket within one such window are one sample
+(:meth:`OutlierDetector.on_decode`): they timed the same moments of the node.
 
 Why ``k`` is 0.75 of the threshold and not Page's half: identical SKUs differ by
 ~8% on average (SC'22, "Not All GPUs Are Created Equal") and a simulated fleet
@@ -172,8 +174,9 @@ class OutlierConfig:
     sure_ratio: float = 1.5
     # A stream's decode is judged in pieces of at least this long (and
     # MIN_DECODE_TOKENS tokens) as its tokens arrive, where the driver reports them
-    # (the gateway does): a straggler shows before its answers end. 0: whole
-    # answers only (the simulator's way: its engine model reports no progress).
+    # (the gateway and the simulator do): a straggler shows before its answers
+    # end; a node's decode samples within one such window count as one. 0: whole
+    # answers only, each its own sample.
     segment_s: float = 1.0
     slow_ratio: float = 1.5  # recent slowness for its class that flags a node
     # TTFT carries the queue and, on a shared host, the neighbours' contention:
@@ -259,7 +262,8 @@ def prefill_bucket(tokens: int) -> int:
 class _Evidence:
     """One kind (prefill or decode) of one node: levels, residual evidence, counters.
 
-    ``levels[b]`` = [weight, mean of x, interval of the last sample]: the node's
+    ``levels[b]`` = [weight, mean of x, interval of the last sample, decode window
+    of the last sample (see :meth:`OutlierDetector.on_decode`)]: the node's
     recent level in bucket b, what its peers are compared with: a running mean of
     its last ``_LEVEL_SAMPLES`` samples there (the weight is their count, capped,
     and decays between intervals, so a quiet bucket's old level gives way to the
@@ -294,26 +298,32 @@ class _Evidence:
         self.own_n = 0
         self.own_total = 0.0
 
-    def level(self, b: int, interval: int) -> float | None:
+    def level(self, b: int, interval: int, window: int = -1) -> float | None:
         """The recent level in bucket ``b``: at least two samples' worth, the last
         within ``_FRESH`` intervals (a peer that stopped running such requests
-        half a minute ago says nothing of how they run now)."""
+        half a minute ago says nothing of how they run now), or, given a decode
+        ``window``, within it or the one before."""
         lv = self.levels.get(b)
         if lv is None or lv[0] < 2.0 or interval - lv[2] > _FRESH:
             return None
+        if window >= 0 and lv[3] < window - 1:
+            return None
         return lv[1]
 
-    def learn(self, b: int, x: float, interval: int) -> None:
+    def learn(self, b: int, x: float, interval: int, n: float = 1.0, window: int = -1) -> None:
+        """``n`` samples of mean ``x`` in bucket ``b`` (a decode window's, see
+        :meth:`OutlierDetector.on_decode`, moves the level as its samples would)."""
         lv = self.levels.get(b)
         if lv is None:
-            self.levels[b] = [1.0, x, float(interval)]
+            self.levels[b] = [min(n, _LEVEL_SAMPLES), x, float(interval), float(window)]
         else:
-            w = lv[0] + 1.0
+            w = lv[0] + n
             if w > _LEVEL_SAMPLES:
                 w = _LEVEL_SAMPLES
             lv[0] = w
-            lv[1] += (x - lv[1]) / w
+            lv[1] += (x - lv[1]) * (n / w if n < w else 1.0)
             lv[2] = float(interval)
+            lv[3] = float(window)
 
     def add(self, r: float, n: int, allowance: float, cap: float, floor: float,
             now: float | None, since: float | None = None) -> None:
@@ -391,6 +401,7 @@ class NodeHealth:
         "last_progress",
         "own_failures",
         "own_requests",
+        "pending",
         "prefill",
         "probation_since",
         "reason",
@@ -419,6 +430,11 @@ class NodeHealth:
         self.eject_until = math.inf
         self.probation_since = 0.0
         self.last_progress = now
+        # Decode samples of the detector's open window, by bucket (on_decode):
+        # [sum of log(observed / expected), count, last seen, earliest since]: the
+        # window's excess outlived the run's first window when all the work it
+        # timed began after that one closed (_Evidence.run_spread).
+        self.pending: dict[int, list[float]] = {}
         self.busy_since = -1.0
         self.known_state = NodeState.HEALTHY
         self.state_since = now
@@ -462,6 +478,8 @@ class OutlierDetector:
         # The CUSUM's allowance k (per sample, so set once per tick: a reload may
         # change slow_ratio; records, and so samples, exist only after a tick).
         self._allowance = 0.75 * math.log(self.config.slow_ratio)
+        self._window_t = -math.inf  # when the decode window last closed (_flush_decode)
+        self._windows = 0  # decode windows closed so far
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
@@ -509,19 +527,101 @@ class OutlierDetector:
 
     def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1,
                   now: float | None = None, since: float | None = None) -> None:
-        """A TPOT sample seen at ``now``, over a decode that began at ``since``."""
+        """A TPOT sample seen at ``now``, over a decode that began at ``since``.
+
+        Where decode is judged in pieces (``segment_s``), the samples one node
+        gives in one bucket within a window of ``segment_s`` are one sample,
+        their mean (in log), judged at the tick that closes the window
+        (:meth:`_flush_decode`): they timed the same moments of the node, the
+        pieces of concurrent streams and the ends of the answers finishing
+        then alike. Counted one by one, the dozens of streams of a busy node
+        gave dozens of samples of each second, and a healthy card 1.2-1.3x its
+        peers (the spread of identical SKUs) was degraded whenever one second
+        ran a few tenths slower. A window's ``since`` is the earliest of its
+        samples': its excess outlived the run's first window (``run_spread``)
+        only when all the work it timed began after that window closed, which
+        a throttle's third slow window does and the windows a 2 s stall
+        touches do not (the work they time began before it).
+        """
         h = self.health.get(node.id)
-        if h is not None:
-            self._sample(node, h, h.decode, 1, decode_bucket(batch), tpot, expected, now,
-                         since)
+        if h is None or tpot <= 0.0 or expected <= 0.0:
+            return
+        b = decode_bucket(batch)
+        if now is None or self.config.segment_s <= 0.0:
+            self._sample(node, h, h.decode, 1, b, tpot, expected, now, since)
+            return
+        x = math.log(tpot / expected)
+        acc = h.pending.get(b)
+        if acc is None:
+            h.pending[b] = [x, 1.0, now, now if since is None else since]
+        else:
+            acc[0] += x
+            acc[1] += 1.0
+            if now > acc[2]:
+                acc[2] = now
+            if since is not None and since < acc[3]:
+                acc[3] = since
+
+    def _flush_decode(self, nodes: Mapping[str, Node], now: float) -> None:
+        """Close the decode window (see :meth:`on_decode`) once ``segment_s`` old: every
+        node's levels learn the window first, so that each is judged against its
+        peers' levels of the same moments (what every node met at once cancels)."""
+        if now - self._window_t < 0.99 * self.config.segment_s:  # ticks drift by a hair
+            return
+        self._window_t = now
+        self._windows += 1
+        window = self._windows
+        closed: list[tuple[Node, _Evidence, int, float, float, float]] = []
+        for node in nodes.values():
+            h = self.health.get(node.id)
+            if h is None or not h.pending:
+                continue
+            pending, h.pending = h.pending, {}
+            for b, (total, n, seen, since) in sorted(pending.items()):
+                x = _clamp(total / n)
+                h.decode.learn(b, x, self._interval, n, window)
+                closed.append((node, h.decode, b, x, seen, since))
+        # Each class's peer levels of these moments, by bucket: read once a window
+        # (a class of 24 read each other's 24 levels, twice a second live).
+        moments: dict[tuple[str, int], list[tuple[float, Node]]] = {}
+        for node, ev, b, x, seen, since in closed:
+            key = (node.spec.gpu_class, b)
+            levels = moments.get(key)
+            if levels is None:
+                levels = moments[key] = sorted(
+                    ((lv, other) for other, oh in self._references.get(key[0], ())
+                     if oh.decode.cusum < self.config.evidence
+                     and (lv := oh.decode.level(b, self._interval, window)) is not None),
+                    key=_first)
+            ref = self._window_reference(node, ev, b, levels)
+            if ref is not None:
+                self._residual(ev, x - ref, seen, since)
+
+    def _window_reference(self, node: Node, ev: _Evidence, b: int,
+                          levels: list[tuple[float, Node]]) -> float | None:
+        """A decode window's reference: the median of the peers' levels of that window
+        or the one before (``levels``, sorted, the node's own among them perhaps),
+        else the node's own clean history, and only then the peers' older levels
+        (:meth:`_reference`): a healthy A100 running a batch its faster peer had run
+        seconds before read 1.6x slow against that peer's moment."""
+        others = [lv for lv, other in levels if other is not node]
+        if others:
+            ev.peers = True
+            n = len(others)
+            mid = n // 2
+            return others[mid] if n % 2 else 0.5 * (others[mid - 1] + others[mid])
+        own = ev.history.get(b)
+        if own is not None:
+            ev.peers = False
+            return own
+        return self._reference(node, ev, 1, b)
 
     def _sample(self, node: Node, h: NodeHealth, ev: _Evidence, k: int, b: int,
                 observed: float, expected: float, now: float | None,
                 since: float | None = None) -> None:
         if observed <= 0.0 or expected <= 0.0:
             return
-        x = math.log(observed / expected)
-        x = _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
+        x = _clamp(math.log(observed / expected))
         ev.learn(b, x, self._interval)
         cached = ev.refs.get(b)
         if cached is not None and cached[1] > 0.0:
@@ -532,7 +632,10 @@ class OutlierDetector:
             if found is None:
                 return
             ref = found
-        r = x - ref
+        self._residual(ev, x - ref, now, since)
+
+    def _residual(self, ev: _Evidence, r: float, now: float | None, since: float | None) -> None:
+        """A sample's excess over its reference, as evidence."""
         ev.add(r, 1, self._allowance, 2.0 * self.config.evidence, self.config.sigma_floor, now,
                since)
         ev.own_n += 1
@@ -544,8 +647,12 @@ class OutlierDetector:
         the bucket (the peers' levels move little per sample; a reference kept for a
         whole interval was seconds stale, and what a host's contention or a burst of
         load does to every node at once then read as one node's slowness)."""
-        peers = [oh.prefill if k == 0 else oh.decode
-                 for other, oh in self._references.get(node.spec.gpu_class, ()) if other is not node]
+        evidence = self.config.evidence
+        # The peers' levels by bucket (_Evidence.level, inlined: the hot path).
+        peers = [oev.levels for other, oh in self._references.get(node.spec.gpu_class, ())
+                 if other is not node
+                 and (oev := oh.prefill if k == 0 else oh.decode).cusum < evidence]
+        oldest = self._interval - _FRESH
         levels: list[float] = []
         # The bucket itself, else (prefill) the next octave of tokens at the same
         # batch: at low rates a node's peers may not have run exactly its kind of
@@ -554,10 +661,10 @@ class OutlierDetector:
         for bb in near:
             if bb // _TOKEN_BUCKETS != b // _TOKEN_BUCKETS:
                 continue
-            for oev in peers:
-                lv = oev.level(bb, self._interval) if oev.cusum < self.config.evidence else None
-                if lv is not None:
-                    levels.append(lv)
+            for by_bucket in peers:
+                lv = by_bucket.get(bb)
+                if lv is not None and lv[0] >= 2.0 and lv[2] >= oldest:
+                    levels.append(lv[1])
             if levels:
                 break
         if levels:
@@ -626,6 +733,7 @@ class OutlierDetector:
         pool_list = list(pools)
         self._peers(nodes)
         self._allowance = 0.75 * math.log(cfg.slow_ratio)
+        self._flush_decode(nodes, now)
         if not self.authority:
             self._follow(now, nodes)
             return events
@@ -966,6 +1074,14 @@ class OutlierDetector:
             d[key] = d.get(key, 0.0) + (now - h.state_since)
             out[node_id] = d
         return out
+
+
+def _first(pair: tuple[float, Node]) -> float:
+    return pair[0]
+
+
+def _clamp(x: float) -> float:
+    return _CLAMP if x > _CLAMP else (-_CLAMP if x < -_CLAMP else x)
 
 
 def _median(xs: list[float]) -> float:
