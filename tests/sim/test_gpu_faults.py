@@ -101,8 +101,9 @@ def test_a_throttled_gpu_is_caught_named_and_costs_no_more_than_a_whole_replica_
                 "at_s": 60, "duration_s": 80}]
     res = run(scenario(one_gpu, gpu_telemetry=True))
     det = res["outliers"]["time_to_detect"][0]
-    # Each stream's decode is judged in one-second pieces as it runs (as live): the
-    # issue asks for 15 s; measured 2 s over seeds 1-4 (7-20 s judging whole answers)
+    # Each stream's decode is judged in one-second pieces as it runs (as live), a
+    # node's pieces of one second as one sample: the issue asks for 15 s; measured
+    # 3 s on seeds 1-6 (7-20 s judging whole answers)
     assert det["state"] in ("degraded", "quarantined") and det["detected_s"] <= 15.0
     assert res["outliers"]["false_detections"] == 0
     slow = [e for e in res["events"] if e["state"] in ("degraded", "quarantined")]
