@@ -6,6 +6,7 @@ into exit code 2 and one line.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,8 @@ def number(raw: Mapping[str, Any], key: str, where: str, default: float | None =
         return default  # type: ignore[return-value]  # _given raised if both are None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):  # YAML's .inf and .nan (NaN passed every bound)
+        raise ConfigError(name, f"must be finite, got {value!r}")
     if positive and value <= 0:
         raise ConfigError(name, f"must be > 0, got {value!r}")
     if minimum is not None and value < minimum:
@@ -79,10 +82,18 @@ def number(raw: Mapping[str, Any], key: str, where: str, default: float | None =
     return float(value)
 
 
+def optional_number(raw: Mapping[str, Any], key: str, where: str, positive: bool = True,
+                    minimum: float | None = None) -> float | None:
+    """:func:`number`, or None when ``key`` is absent or null."""
+    if raw.get(key) is None:
+        return None
+    return number(raw, key, where, positive=positive, minimum=minimum)
+
+
 def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = None,
-            minimum: int = 1) -> int:
-    """An integer >= ``minimum`` under ``key``; ``default`` when absent or null
-    (None: the key is required)."""
+            minimum: int = 1, maximum: int | None = None) -> int:
+    """An integer in [``minimum``, ``maximum``] under ``key``; ``default`` when absent
+    or null (None: the key is required)."""
     name = field_name(where, key)
     value = _given(raw, key, name, default)
     if value is None:
@@ -91,4 +102,6 @@ def integer(raw: Mapping[str, Any], key: str, where: str, default: int | None = 
         raise ConfigError(name, f"must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(name, f"must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(name, f"must be <= {maximum}, got {value!r}")
     return value

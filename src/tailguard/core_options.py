@@ -25,11 +25,12 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from tailguard.config_file import check_keys, integer, require_mapping
+from tailguard.config_file import check_keys, integer, number, require_mapping
 from tailguard.core.hardware import Catalog
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, StageSpec
+from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
 
 # The keys a pipeline adds to a fleet entry or node (besides gpu and tp).
@@ -53,12 +54,9 @@ def parse_dataclass_options(raw: Any, where: str, cls: Any, default: Any) -> Any
             if not isinstance(value, bool):
                 raise ConfigError(f"{where}.{f.name}", "must be true or false")
         elif isinstance(base, int):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{where}.{f.name}", f"must be an integer >= 1, got {value!r}")
+            value = integer(m, f.name, where, base)
         elif isinstance(base, float):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ConfigError(f"{where}.{f.name}", f"must be a number >= 0, got {value!r}")
-            value = float(value)
+            value = number(m, f.name, where, base, positive=False, minimum=0.0)
         kwargs[f.name] = value
     return cls(**{**{f.name: getattr(default, f.name) for f in fields(cls)}, **kwargs})
 
@@ -129,8 +127,21 @@ def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | Non
     overlap = g.get("overlap", False)
     if not isinstance(overlap, bool):
         raise ConfigError(f"{w}.overlap", "must be true or false")
-    link = g.get("link_gbps", 0.0)
-    if isinstance(link, bool) or not isinstance(link, int | float) or link < 0:
-        raise ConfigError(f"{w}.link_gbps", f"must be a number >= 0 (GB/s), got {link!r}")
+    link = number(g, "link_gbps", w, 0.0, positive=False, minimum=0.0)  # GB/s
     return Layout(tuple(stages), split, integer(g, "microbatches", w, 0, minimum=0), overlap,
                   float(link))
+
+
+def parse_slo(raw: Any, where: str = "slo") -> Slo:
+    """An ``slo:`` block (fleet pools and scenarios): null or absent keys take
+    :class:`Slo`'s defaults."""
+    if raw is None:
+        return Slo()
+    m = require_mapping(raw, where)
+    check_keys(m, ("ttft_s", "tpot_s", "attainment"), where, extensions=True)
+    base = Slo()
+    att = number(m, "attainment", where, base.attainment)
+    if att > 1.0:
+        raise ConfigError(f"{where}.attainment", f"must be in (0, 1], got {att!r}")
+    return Slo(number(m, "ttft_s", where, base.ttft_s), number(m, "tpot_s", where, base.tpot_s),
+               att)

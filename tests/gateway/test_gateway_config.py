@@ -130,6 +130,8 @@ def test_api_keys_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"pools": {"m": {"policy": "fastest"}}}, "pools.m.policy"),
     ({"pools": {"m": {"policy_options": {"bogus": 1}}}}, "pools.m.policy_options"),
     ({"pools": {"m": {"slo": {"ttft_s": -1}}}}, "pools.m.slo.ttft_s"),
+    ({"pools": {"m": {"slo": {"tpot_s": float("nan")}}}}, "pools.m.slo.tpot_s"),  # passed > 0
+    ({"pools": {"m": {"timeouts": {"total_s": float("inf")}}}}, "pools.m.timeouts.total_s"),
     ({"pools": {"m": {"catalog_model": "gpt-17"}}}, "pools.m.catalog_model"),
     ({"pools": {"m": {"timeouts": {"idle": 3}}}}, "pools.m.timeouts.idle"),
     ({"pools": {"m": {"retries": {"budget": 2}}}}, "pools.m.retries.budget"),

@@ -1111,7 +1111,6 @@ class Balancer:
         for node in self.nodes.values():
             node.decay_duty(now)
         self._refresh_class_slowdowns()
-        self._last_tick = now
         if self.outliers is None:
             return []
         return self.outliers.tick(now, self.nodes, self.pools.values(), self.rng)

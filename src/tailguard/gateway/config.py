@@ -59,7 +59,13 @@ from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout
 from tailguard.core.policies import DEFAULT_POLICY, Slo, make_policy, policy_names
 from tailguard.core.retry_budget import RetryConfig
-from tailguard.core_options import PIPELINE_KEYS, parse_hedging, parse_layout, parse_outliers
+from tailguard.core_options import (
+    PIPELINE_KEYS,
+    parse_hedging,
+    parse_layout,
+    parse_outliers,
+    parse_slo,
+)
 from tailguard.errors import ConfigError
 from tailguard.gateway.discovery_config import KubernetesDiscoveryConfig, parse_discovery
 from tailguard.gateway.shared_state_config import SharedStateConfig, parse_shared_state
@@ -379,19 +385,6 @@ def redact_url(raw: str) -> str:
     if "@" not in authority:
         return raw
     return f"{scheme}://***@{authority.rpartition('@')[2]}{slash}{tail}"
-
-
-def parse_slo(raw: Any, where: str) -> Slo:
-    if raw is None:
-        return Slo()
-    m = require_mapping(raw, where)
-    check_keys(m, ("ttft_s", "tpot_s", "attainment"), where, extensions=True)
-    base = Slo()
-    att = number(m, "attainment", where, base.attainment)
-    if att > 1.0:
-        raise ConfigError(f"{where}.attainment", f"must be in (0, 1], got {att!r}")
-    return Slo(number(m, "ttft_s", where, base.ttft_s), number(m, "tpot_s", where, base.tpot_s),
-               att)
 
 
 def parse_timeouts(raw: Any, where: str) -> Timeouts:

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailguard.config_file import check_keys, require_mapping
+from tailguard.config_file import check_keys, integer, number, require_mapping
 from tailguard.errors import ConfigError
 
 TRIGGERS = ("quarantined", "quarantined_repeatedly", "recovered")
@@ -68,13 +68,6 @@ class RemediationConfig:
     max_actions_per_hour: int = 20
 
 
-def _positive(m: Mapping[str, Any], key: str, where: str, default: float) -> float:
-    v = m.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-        raise ConfigError(f"{where}.{key}", f"must be a number > 0, got {v!r}")
-    return float(v)
-
-
 def _parse_rule(raw: Any, where: str) -> Rule:
     m = require_mapping(raw, where)
     check_keys(m, RULE_KEYS, where)
@@ -92,8 +85,8 @@ def _parse_rule(raw: Any, where: str) -> Rule:
     if cause is not None and cause not in CAUSES:
         raise ConfigError(f"{where}.cause", f"unknown cause {cause!r}", list(CAUSES))
     common: dict[str, Any] = {"on": str(on), "action": action, "cause": cause,
-                              "timeout_s": _positive(m, "timeout_s", where, 30.0),
-                              "times": times, "window_s": _positive(m, "window_s", where, 3600.0)}
+                              "timeout_s": number(m, "timeout_s", where, 30.0),
+                              "times": times, "window_s": number(m, "window_s", where, 3600.0)}
     body = m[action]
     if action == "command":
         if (not isinstance(body, list) or not body
@@ -125,12 +118,8 @@ def parse_remediation(raw: Any, where: str = "remediation") -> RemediationConfig
     dry = m.get("dry_run", False)
     if not isinstance(dry, bool):
         raise ConfigError(f"{where}.dry_run", "must be true or false")
-    cooldown = m.get("cooldown_s", 300.0)
-    if isinstance(cooldown, bool) or not isinstance(cooldown, int | float) or cooldown < 0:
-        raise ConfigError(f"{where}.cooldown_s", f"must be a number >= 0, got {cooldown!r}")
-    rate = m.get("max_actions_per_hour", 20)
-    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
-        raise ConfigError(f"{where}.max_actions_per_hour", f"must be an integer >= 1, got {rate!r}")
+    cooldown = number(m, "cooldown_s", where, 300.0, positive=False, minimum=0.0)
+    rate = integer(m, "max_actions_per_hour", where, 20)
     return RemediationConfig(
         rules=tuple(_parse_rule(r, f"{where}.rules[{i}]") for i, r in enumerate(rules_raw)),
         dry_run=dry, cooldown_s=float(cooldown), max_actions_per_hour=rate)

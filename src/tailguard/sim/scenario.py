@@ -39,7 +39,13 @@ from tailguard.core.limits import LimitConfig, parse_limits
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, PipelinePerf
 from tailguard.core.policies import Slo, policy_names
-from tailguard.core_options import PIPELINE_KEYS, parse_hedging, parse_layout, parse_outliers
+from tailguard.core_options import (
+    PIPELINE_KEYS,
+    parse_hedging,
+    parse_layout,
+    parse_outliers,
+    parse_slo,
+)
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
@@ -146,15 +152,6 @@ class Scenario:
                     speed = 1.0 + rng.uniform(-g.speed_spread, g.speed_spread)
                 out.append(NodePlan(f"{g.gpu}#{i}", gi, perf, g.engine, speed))
         return out
-
-
-def parse_slo(raw: Any, where: str = "slo") -> Slo:
-    m = require_mapping(raw, where)
-    check_keys(m, ("ttft_s", "tpot_s", "attainment"), where)
-    att = number(m, "attainment", where, 0.99)
-    if att > 1.0:
-        raise ConfigError(f"{where}.attainment", "must be in (0, 1]")
-    return Slo(number(m, "ttft_s", where, 2.0), number(m, "tpot_s", where, 0.10), att)
 
 
 def parse_engine(raw: Any, where: str) -> EngineConfig:
@@ -278,7 +275,7 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     if "model" not in m:
         raise ConfigError("model", "is required", [x.name for x in catalog.models])
     model = catalog.model(str(m["model"]), "model")
-    slo = parse_slo(m.get("slo", {}))
+    slo = parse_slo(m.get("slo"))
     rtt = number(m, "network_rtt_s", "", 0.0, positive=False, minimum=0.0)
     fleet_raw = m.get("fleet")
     if not isinstance(fleet_raw, list) or not fleet_raw:

@@ -87,7 +87,13 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Literal, Protocol
 
-from tailguard.config_file import check_keys, require_mapping
+from tailguard.config_file import (
+    check_keys,
+    integer,
+    number,
+    optional_number,
+    require_mapping,
+)
 from tailguard.errors import ConfigError
 from tailguard.sim.sessions import PrefixSpec, generate_sessions, parse_prefix
 
@@ -496,65 +502,9 @@ class Requests:
 # --------------------------------------------------------------------------- parsing
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _number(
-    raw: Mapping[str, Any],
-    key: str,
-    where: str,
-    *,
-    positive: bool = True,
-    default: float | None = None,
-) -> float | None:
-    """A finite number, > 0 when ``positive`` else >= 0; ``default`` if absent."""
-    if key not in raw:
-        return default
-    value = raw[key]
-    field = f"{where}.{key}"
-    if not _is_number(value):
-        raise ConfigError(field, f"must be a number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ConfigError(field, f"must be finite, got {value!r}")
-    if positive and number <= 0.0:
-        raise ConfigError(field, f"must be > 0, got {value!r}")
-    if not positive and number < 0.0:
-        raise ConfigError(field, f"must be >= 0, got {value!r}")
-    return number
-
-
-def _required_number(raw: Mapping[str, Any], key: str, where: str, *, positive: bool) -> float:
-    value = _number(raw, key, where, positive=positive)
-    if value is None:
-        raise ConfigError(f"{where}.{key}", "is required")
-    return value
-
-
-def _real(raw: Mapping[str, Any], key: str, where: str) -> float:
-    """A required finite number of any sign."""
-    if key not in raw:
-        raise ConfigError(f"{where}.{key}", "is required")
-    value = raw[key]
-    if not _is_number(value) or not math.isfinite(float(value)):
-        raise ConfigError(f"{where}.{key}", f"must be a finite number, got {value!r}")
-    return float(value)
-
-
 def _tokens(raw: Mapping[str, Any], key: str, where: str, default: int | None) -> int:
     """A token count: an integer in ``[1, TOKEN_CAP]``."""
-    field = f"{where}.{key}"
-    if key not in raw:
-        if default is None:
-            raise ConfigError(field, "is required")
-        return default
-    value = raw[key]
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(field, f"must be an integer, got {value!r}")
-    if not 1 <= value <= TOKEN_CAP:
-        raise ConfigError(field, f"must be between 1 and {TOKEN_CAP}, got {value}")
-    return value
+    return integer(raw, key, where, default, minimum=1, maximum=TOKEN_CAP)
 
 
 def parse_length_dist(raw: object, where: str, field: Field) -> LengthDist:
@@ -576,8 +526,8 @@ def parse_length_dist(raw: object, where: str, field: Field) -> LengthDist:
         return UniformLength(lo, hi)
     if dist == "lognormal":
         check_keys(spec, ("dist", "mu", "sigma", "min", "max"), where)
-        mu = _real(spec, "mu", where)
-        sigma = _required_number(spec, "sigma", where, positive=True)
+        mu = number(spec, "mu", where, positive=False)
+        sigma = number(spec, "sigma", where)
         default_hi = TOKEN_CAP
     else:
         check_keys(spec, ("dist", "min", "max"), where)
@@ -617,20 +567,20 @@ def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpe
             raise ConfigError(f"{where}.path", f"no such file: {path}")
         return ArrivalSpec(
             process="trace",
-            rate=_number(spec, "rate", where),
-            load=_number(spec, "load", where),
+            rate=optional_number(spec, "rate", where),
+            load=optional_number(spec, "load", where),
             cv=None,
             path=path,
-            speedup=_number(spec, "speedup", where, default=1.0) or 1.0,
-            time_scale=_number(spec, "time_scale", where, default=1.0) or 1.0,
+            speedup=number(spec, "speedup", where, default=1.0),
+            time_scale=number(spec, "time_scale", where, default=1.0),
         )
     allowed = ("process", "rate", "load") + (("cv",) if process == "gamma" else ())
     check_keys(spec, allowed, where)
     if ("rate" in spec) == ("load" in spec):
         raise ConfigError(f"{where}.rate", "give exactly one of rate (req/s) or load (fraction)")
-    rate, load = _number(spec, "rate", where), _number(spec, "load", where)
+    rate, load = optional_number(spec, "rate", where), optional_number(spec, "load", where)
     if process == "gamma":
-        cv = _required_number(spec, "cv", where, positive=True)
+        cv = number(spec, "cv", where)
         return ArrivalSpec(process="gamma", rate=rate, load=load, cv=cv)
     return ArrivalSpec(process="poisson", rate=rate, load=load, cv=1.0)
 
@@ -644,8 +594,8 @@ def parse_workload(
     spec = require_mapping(raw, where)
     check_keys(spec, ("duration_s", "warmup_s", "arrival", "input_tokens", "output_tokens",
                       "priorities", "prefix"), where)
-    duration = _required_number(spec, "duration_s", where, positive=True)
-    warmup = _number(spec, "warmup_s", where, positive=False, default=0.0) or 0.0
+    duration = number(spec, "duration_s", where)
+    warmup = number(spec, "warmup_s", where, default=0.0, positive=False, minimum=0.0)
     if warmup >= duration:
         raise ConfigError(
             f"{where}.warmup_s", f"must be < duration_s ({duration:g}), got {warmup:g}"
