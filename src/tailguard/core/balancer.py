@@ -40,6 +40,7 @@ from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, Perf
 from tailguard.core.limits import LimitConfig, Limiter, make_limit, planned_limit
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.pipeline import PipelinePerf
+from tailguard.core.placement import ChunkCache, unsuitable
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo, make_policy
 from tailguard.core.predict import (
     decode_step_s,
@@ -58,10 +59,6 @@ from tailguard.errors import ConfigError
 # the shape of these and the node's measured speed corrects its scale.
 FALLBACK_MODEL = "llama-3.1-8b"
 FALLBACK_GPU = "L40S"
-
-# Share of each node's concurrency limit and of the TTFT budget that requests
-# of priority high, normal, low may use when their pool has a queue.
-PRIORITY_SHARE = (1.0, 0.9, 0.8)
 
 # Answers shorter than this teach no decode speed. Their time per token spans
 # one or a few engine steps, and under a burst of short requests most steps
@@ -264,7 +261,7 @@ class Balancer:
         self._presumed: list[tuple[float, int, Ticket]] = []
         self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
         # (node, sequences decoding, context / 64) -> the TPOT target's prefill chunk
-        self._chunk_cache: dict[tuple[str, int, int], int] = {}
+        self._chunk_cache: ChunkCache = {}
         self._ledger = shared.PeerLedger()  # the other replicas' last counters
         # Called (no arguments) when queue decisions await poll_queue: lets an
         # event-loop driver wake its queued requests without polling.
@@ -838,8 +835,8 @@ class Balancer:
         # Try at once unless a request of the same or higher priority waits:
         # lower priorities queued behind their share leave the reserve free.
         if queue is None or sum(queue.by_priority[: min(max(priority, 0), 2) + 1]) == 0:
-            avoid = exclude if queue is None else self._unsuitable(
-                pool, prompt_tokens, priority, deadline - now, exclude, now)
+            avoid = exclude if queue is None else unsuitable(
+                pool, prompt_tokens, priority, deadline - now, exclude, now, self._chunk_cache)
             ticket = self.pick(model, prompt_tokens, now, max_tokens, priority, avoid, prefix,
                                session)
             if ticket is not None:
@@ -896,8 +893,8 @@ class Balancer:
                 queue.shed_total["expired"] = queue.shed_total.get("expired", 0) + 1
                 out.append((w, Shed("expired", queue.retry_after(now))))
                 continue
-            avoid = self._unsuitable(pool, w.prompt_tokens, w.priority, w.deadline - now,
-                                     w.exclude, now)
+            avoid = unsuitable(pool, w.prompt_tokens, w.priority, w.deadline - now, w.exclude,
+                               now, self._chunk_cache)
             self._quiet += 1  # recorded with the decision, by poll_queue
             try:
                 ticket = self.pick(w.model, w.prompt_tokens, now, w.max_tokens, w.priority, avoid,
@@ -909,85 +906,6 @@ class Balancer:
             queue.pop()
             w.state = "dispatched"
             out.append((w, ticket))
-
-    def _unsuitable(self, pool: Pool, prompt_tokens: int, priority: int, budget_s: float,
-                    exclude: Sequence[str], now: float) -> Sequence[str]:
-        """``exclude`` plus the nodes a queued-pool request should not go to now.
-
-        A node whose prompt backlog would make the request miss its TTFT budget
-        (though the node idle would meet it): better to wait in the queue for
-        another (a permit or a first token frees one). Lower priorities see a
-        share of each node's limit and of the budget (normal 90%, low 80%), so
-        a high-priority request always finds room and a short backlog:
-        Netflix concurrency-limits' partitioned limiter, by priority. The
-        reserve only holds while higher priorities have arrived lately: a pool
-        of normal requests alone uses the whole limit.
-        """
-        p = min(max(priority, 0), 2)
-        share = PRIORITY_SHARE[p]
-        queue = pool.queue
-        if share < 1.0 and queue is not None and not any(
-                queue.arrival_rate(q, now) > 0.01 for q in range(p)):
-            share = 1.0
-        budget = budget_s * share
-        out: list[str] | None = None
-        hopeless: list[str] = []  # would miss the budget even idle
-        capable = False
-        for n in pool.eligible():
-            if n.id in exclude:
-                continue
-            slow = n.class_prefill_slowdown
-            if prefill_s(n.perf, 0, prompt_tokens) * slow > budget:
-                hopeless.append(n.id)
-                continue
-            capable = True
-            lim = n.limiter
-            # The reserve is a number of permits sized on the limit the node
-            # is headed for, so it does not shrink while slow start ramps.
-            full = (lim is not None and share < 1.0
-                    and lim.inflight >= lim.allowed - (1.0 - share) * lim.ceiling)
-            if full or self._backlog_prefill_s(pool, n, prompt_tokens) > budget:
-                if out is None:
-                    out = list(exclude)
-                out.append(n.id)
-        if capable and hopeless:
-            # A long prompt waits for a node that can meet its TTFT rather than
-            # land on a slow one, where it would miss anyway and stall the
-            # decode steps of everything running there.
-            if out is None:
-                out = list(exclude)
-            out.extend(hopeless)
-        return exclude if out is None else out
-
-    def _backlog_prefill_s(self, pool: Pool, n: Node, prompt_tokens: int) -> float:
-        """Time to prefill ``n``'s prompt backlog and this prompt, for the TTFT check.
-
-        The roofline's prefill times the class's learned slowdown, but never
-        faster than chunked prefill allows: with ``d`` sequences decoding, a
-        step that keeps the TPOT target carries at most the chunk
-        :meth:`PerfModel.chunk_budget_for_tpot` gives, so the backlog takes
-        ``ceil(tokens / chunk)`` such steps. The slowdown learned from a cold
-        node's first wave (prefilled alone, no decodes) cannot see this.
-        """
-        backlog = n.fleet_backlog
-        tokens = backlog + prompt_tokens
-        t = prefill_s(n.perf, backlog, prompt_tokens) * n.class_prefill_slowdown
-        decoding = n.fleet_in_flight - n.prefilling
-        if decoding <= 0:
-            return t
-        cfg = pool.config
-        step = (cfg.limits.target if cfg.limits is not None else 0.9) * cfg.slo.tpot_s
-        ctx = pool.mean_prompt + pool.mean_output * 0.5
-        key = (n.id, decoding, int(ctx) >> 6)
-        chunk = self._chunk_cache.get(key)
-        if chunk is None:
-            chunk = n.perf.chunk_budget_for_tpot(step, decoding, ctx)
-            if len(self._chunk_cache) > 4096:
-                self._chunk_cache.clear()
-            self._chunk_cache[key] = chunk
-        if chunk <= 0:
-            return t
-        return max(t, math.ceil(tokens / chunk) * step)
 
     def _release_permit(self, ticket: Ticket, now: float, outcome: Outcome,
                         output_tokens: int) -> None:

@@ -57,6 +57,7 @@ from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
 from tailguard.sim.nodes import HEALTH_INTERVAL_S, SimNode, apply_fault, health_check
 from tailguard.sim.scenario import Fault, NodePlan
+from tailguard.sim.streams import StreamReports
 
 # Event kinds; the heap holds (time, seq, kind, a, b), a and b as noted.
 ARRIVE = 0  # a: request id
@@ -169,17 +170,6 @@ def run_cluster(
     return sim.run(horizon_s, tick_s, progress)
 
 
-class _Stream:
-    """A committed stream the gateway would see arrive, and when to tell its exchange."""
-
-    __slots__ = ("copy", "due", "exchange")
-
-    def __init__(self, exchange: Exchange, copy: Copy, due: float) -> None:
-        self.exchange = exchange
-        self.copy = copy
-        self.due = due
-
-
 class ClusterSim:
     """The simulated gateway: one exchange per request, its actions onto the heap."""
 
@@ -227,12 +217,11 @@ class ClusterSim:
         self.outstanding = n
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = itertools.count()  # the tie-break: the same seed gives the same run
-        # Committed streams by copy id, whose tokens the gateway would see arrive:
-        # each tick reports them (Exchange.streaming), so that the detector judges
-        # long answers piece by piece here as it does live.
+        # Committed streams, told at each tick (sim/streams.py), so that the
+        # detector judges long answers piece by piece here as it does live.
         det = balancer.outliers
         self.judge_pieces = det is not None and det.config.segment_s > 0.0
-        self.streaming: dict[int, _Stream] = {}
+        self.streaming = StreamReports()
 
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -314,7 +303,7 @@ class ClusterSim:
                     self.push(now + HEALTH_INTERVAL_S, HEALTH)
             else:  # TICK
                 if self.streaming:
-                    self._report_streams(now)
+                    self.streaming.report(now, self.nodes, self.copy_node, self.half_rtt)
                 events = self.balancer.tick(now)
                 if events and self.gpu_telemetry:
                     events = [self._with_gpu_cause(e) for e in events]
@@ -386,7 +375,7 @@ class ClusterSim:
             self.rec.first[ex.tag] = now
             self.rec.node[ex.tag] = self.copy_node[copy.io]
             if self.judge_pieces:
-                self.streaming[copy.io] = _Stream(ex, copy, now)
+                self.streaming.committed(ex, copy, now)
         if self.limited:  # a shorter prompt backlog may have let a waiter go
             self._place_queued(now)
 
@@ -425,29 +414,6 @@ class ClusterSim:
             self._do(ex, actions, now)
             if ex.ended is not None:
                 self._settle(ex, now)
-
-    def _report_streams(self, now: float) -> None:
-        """Tell each committed stream's exchange the tokens the gateway has seen by
-        ``now`` (those generated a one-way trip ago); forget the ended ones."""
-        streaming, nodes, copy_node, half_rtt = (self.streaming, self.nodes, self.copy_node,
-                                                 self.half_rtt)
-        ended: list[int] = []
-        for cid, entry in streaming.items():
-            ex, copy = entry.exchange, entry.copy
-            if ex.ended is not None or copy.state != COMMITTED:
-                ended.append(cid)
-                continue
-            if entry.due > now:  # nothing to judge yet (what the exchange said)
-                continue
-            ns = nodes[copy_node[cid]]
-            try:
-                tokens = ns.engine.tokens_by(cid, now - half_rtt - ns.delay)
-            except KeyError:  # ended at the engine; its end is on the way
-                ended.append(cid)
-                continue
-            entry.due = ex.streaming(copy, tokens, now)
-        for cid in ended:
-            del streaming[cid]
 
     def _with_gpu_cause(self, ev: Event) -> Event:
         """A slow node's event with what its GPUs' telemetry says (as the gateway's)."""
