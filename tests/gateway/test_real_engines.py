@@ -22,7 +22,7 @@ prompts they must compute (fresh text each time). Then:
 
 Three single-thread engines, the gateway and the client share two cores at
 under 3 requests per second per node: the detector judges by accumulated
-evidence per node (core/outliers.py), not by a count of samples per interval.
+evidence per node (core/outliers/), not by a count of samples per interval.
 """
 
 from __future__ import annotations
