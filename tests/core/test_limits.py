@@ -10,6 +10,7 @@ from tailguard.core.admission import AdmissionConfig
 from tailguard.core.balancer import Balancer, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, perf_model
+from tailguard.core.limit_plan import planned_limit
 from tailguard.core.limits import (
     AimdLimit,
     FixedLimit,
@@ -18,7 +19,6 @@ from tailguard.core.limits import (
     Limiter,
     _window_exceed_probability,
     parse_limits,
-    planned_limit,
 )
 from tailguard.core.policies import Slo
 from tailguard.core.predict import decode_step_s

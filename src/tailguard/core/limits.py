@@ -95,7 +95,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tailguard.core.hardware import PerfModel
 from tailguard.errors import ConfigError
 
 LIMIT_KINDS = ("gradient", "aimd", "fixed")
@@ -418,60 +417,6 @@ class Limiter:
             self.ignored += 1
 
 
-def planned_limit(perf: PerfModel, tpot_s: float, input_tokens: float, output_tokens: float,
-                  cap: int = 4096) -> int:
-    """Largest batch whose step, with its share of chunked prefill, stays within ``tpot_s``.
-
-    In steady state every decode token of a request carries ``input/output``
-    prompt tokens of other requests' prefill in the same steps, so a batch of
-    ``B`` computes ``B * input/output`` prompt tokens a step on top of its
-    decode. The result is capped by the KV cache (``kv tokens / (input +
-    output)``) and by ``cap``; at least 1.
-    """
-    ctx = input_tokens + output_tokens * 0.5
-    per_seq = input_tokens / max(output_tokens, 1.0)
-
-    def step(b: int) -> float:
-        p = b * per_seq
-        return perf.step_time(b, b * ctx, int(p), p, p * p * 0.5)
-
-    kv_cap = int(perf.kv_capacity_tokens / max(input_tokens + output_tokens, 1.0))
-    hi = max(1, min(cap, kv_cap))
-    if step(1) > tpot_s:
-        return 1
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if step(mid) <= tpot_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def make_limit(config: LimitConfig, initial: int, max_limit: int, tpot_slo: float,
-               ttft_slo: float, floor_tpot: float = 0.0, cold_start: int | None = None) -> Limit:
-    """Build the algorithm ``config.kind`` for one node.
-
-    ``floor_tpot`` is the node's no-load TPOT from the prior (0: unknown),
-    from which the gradient measures the batch's share of the TPOT.
-    ``cold_start`` (None: none) is where the gradient's slow start begins.
-    """
-    lo = config.min_limit
-    hi = max(lo, config.max_limit if config.max_limit is not None else max_limit)
-    start = min(max(config.initial if config.initial is not None else initial, lo), hi)
-    if config.kind == "fixed":
-        return FixedLimit(start)
-    if config.kind == "aimd":
-        return AimdLimit(start, tpot_slo, lo, hi, config.backoff)
-    return GradientLimit(start, config.target * tpot_slo, config.target * ttft_slo,
-                         min_limit=lo, max_limit=hi, window=config.window,
-                         update_every=config.update_every, smoothing=config.smoothing,
-                         backoff=config.backoff, percentile=config.percentile,
-                         floor_tpot=floor_tpot,
-                         start=cold_start if config.slow_start else None)
-
-
 def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
     """Validate a ``limits:`` mapping (None: no limits)."""
     if raw is None:
@@ -530,7 +475,5 @@ __all__ = [
     "Limit",
     "LimitConfig",
     "Limiter",
-    "make_limit",
     "parse_limits",
-    "planned_limit",
 ]

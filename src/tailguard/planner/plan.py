@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tailguard.core.hardware import DEFAULT_PERF, GPU, Model, PerfModel, PerfParams
-from tailguard.core.limits import planned_limit
+from tailguard.core.limit_plan import planned_limit
 from tailguard.engine import EngineConfig
 
 # vLLM refuses a token budget below its sequence limit; a budget under a few
