@@ -86,6 +86,11 @@ smoothed 30 * 0.8 + 18 * 0.2 = 27.6. Once p99 is back at 85 ms with 20 of
 27.6 in flight, gradient = 15 / 10 = 1.5, the slack step is
 min(sqrt(27.6), 27.6 * 0.5) = 5.25, scaled by pi / (1 - pi) = 0.495 to
 2.60, and the limit climbs to 27.6 + 0.2 * 2.60 = 28.12.
+
+Size (about 480 lines, over the ~400 guide): the three ``Limit``
+algorithms, the ``Limiter`` that holds their permits and the ``limits``
+block's parser are one contract; the planned starting limit already lives
+in ``core/limit_plan.py``.
 """
 
 from __future__ import annotations
