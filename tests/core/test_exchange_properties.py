@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.balancer import Balancer, PoolConfig

@@ -6,8 +6,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import OWED_S, NodeSpec, NodeState, Outcome

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tailguard.core.hardware import PerfModel, perf_model
 from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine, EngineConfig, Event

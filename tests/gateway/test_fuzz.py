@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 from gateway_fakes import FakeEngine, fleet_doc
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.app import RunningGateway, run_gateway

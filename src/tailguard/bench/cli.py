@@ -18,8 +18,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from rich.console import Console
-from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as RichProgress
+from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tailguard.bench.lengths import parse_length_arg

@@ -47,11 +47,13 @@ from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.placement import ChunkCache
 from tailguard.core.policies import RequestInfo, make_policy
-from tailguard.core.pool import PREFIX_BLOCK_TOKENS as PREFIX_BLOCK_TOKENS
-from tailguard.core.pool import Pool as Pool
-from tailguard.core.pool import PoolConfig as PoolConfig
-from tailguard.core.pool import Ticket as Ticket
-from tailguard.core.pool import decision_dict as decision_dict
+from tailguard.core.pool import (
+    PREFIX_BLOCK_TOKENS as PREFIX_BLOCK_TOKENS,
+    Pool as Pool,
+    PoolConfig as PoolConfig,
+    Ticket as Ticket,
+    decision_dict as decision_dict,
+)
 from tailguard.core.predict import (
     prefill_extra_s,
     running_batch,

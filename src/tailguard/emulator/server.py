@@ -66,8 +66,8 @@ from tailguard.emulator.protocol import (
     full_response,
     models_body,
     parse_request,
+    usage as protocol_usage,
 )
-from tailguard.emulator.protocol import usage as protocol_usage
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import LengthDist
 

@@ -69,8 +69,10 @@ from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.service.ext_proc.v3 import (
+    external_processor_pb2 as pb,
+    external_processor_pb2_grpc as pb_grpc,
+)
 from google.protobuf import struct_pb2
 
 from tailguard.core.exchange import (
