@@ -11,7 +11,7 @@ recorded run's decisions are exactly reproducible offline.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,138 +31,190 @@ class ReplayResult:
 
 
 def replay(records: Iterable[dict[str, Any]], catalog: Catalog = DEFAULT_CATALOG) -> ReplayResult:
-    out = ReplayResult()
-    balancer: Balancer | None = None
-    tickets: dict[int, Ticket] = {}
-    waiters: dict[int, Waiter] = {}  # queued requests by the recording's waiter id
-    # Events of the last replayed tick, until the recording says what it had
-    # (an "events" record follows a tick only when the tick decided something).
-    pending: tuple[int, float, list[dict[str, Any]]] | None = None
-
-    def settle(recorded: list[dict[str, Any]]) -> None:
-        nonlocal pending
-        if pending is not None and pending[2] != recorded:
-            out.differences.append({"record": pending[0], "op": "tick", "t": pending[1],
-                                    "recorded": recorded, "replayed": pending[2]})
-        pending = None
-
+    """Apply ``records`` to a fresh balancer; every decision that differs is reported."""
+    r = _Replayer(catalog)
     for i, rec in enumerate(records):
-        out.records += 1
+        r.apply(i, rec)
+    r.settle([])
+    return r.out
+
+
+Record = dict[str, Any]
+
+
+def _args(rec: Record) -> tuple[str, int, float, int | None, int, tuple[str, ...]]:
+    """A routing call's common inputs: model, prompt, now, max_tokens, priority, exclude."""
+    return (rec["model"], rec["prompt_tokens"], rec["t"], rec.get("max_tokens"),
+            rec.get("priority", 1), tuple(rec.get("exclude", ())))
+
+
+class _Replayer:
+    """The replay's state: the balancer, the recording's tickets and waiters
+    by their recorded ids, and the events of the last replayed tick."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.out = ReplayResult()
+        self._balancer: Balancer | None = None
+        self.tickets: dict[int, Ticket] = {}
+        self.waiters: dict[int, Waiter] = {}  # queued requests by the recording's waiter id
+        # Events of the last replayed tick, until the recording says what it had
+        # (an "events" record follows a tick only when the tick decided something).
+        self.pending: tuple[int, float, list[dict[str, Any]]] | None = None
+        self.ops: dict[str, Callable[[int, Record], None]] = {
+            "add_pool": self._add_pool, "replace_pool": self._replace_pool,
+            "add_node": self._add_node, "remove_node": self._remove_node,
+            "set_state": self._set_state, "pick": self._pick, "rank": self._rank,
+            "take": self._take, "admit": self._admit, "poll_queue": self._poll_queue,
+            "cancel_queued": self._cancel_queued, "first_token": self._first_token,
+            "progress": self._progress, "no_first_token": self._no_first_token,
+            "finish": self._finish, "blame": self._blame,
+            "engine_metrics": self._engine_metrics, "tick": self._tick, "peers": self._peers,
+        }
+
+    @property
+    def b(self) -> Balancer:
+        assert self._balancer is not None
+        return self._balancer
+
+    def apply(self, i: int, rec: Record) -> None:
+        self.out.records += 1
         op = rec.get("op")
         if op == "events":
-            settle(rec["events"])
-            continue
-        settle([])
+            self.settle(rec["events"])
+            return
+        self.settle([])
         if op == "init":
-            outliers = rec.get("outliers")
-            balancer = Balancer([], [], rng_from_init(rec), catalog,
-                                from_jsonable(PerfParams, rec["perf_params"]),
-                                outliers=from_jsonable(OutlierConfig, outliers)
-                                if outliers is not None else None)
-            tickets.clear()
-            waiters.clear()
-            continue
-        if balancer is None:
+            self._init(rec)
+            return
+        if self._balancer is None:
             raise ValueError(f"record {i}: {op!r} before 'init'")
-        if op == "add_pool":
-            balancer.add_pool(from_jsonable(PoolConfig, rec["config"]))
-        elif op == "replace_pool":
-            balancer.replace_pool(from_jsonable(PoolConfig, rec["config"]))
-        elif op == "add_node":
-            spec: NodeSpec = from_jsonable(NodeSpec, rec["spec"])
-            balancer.add_node(spec)
-        elif op == "remove_node":
-            balancer.remove_node(rec["node"])
-        elif op == "set_state":
-            balancer.set_state(rec["node"], NodeState(rec["state"]))
-        elif op == "pick":
-            ticket = balancer.pick(rec["model"], rec["prompt_tokens"], rec["t"],
-                                   rec.get("max_tokens"), rec.get("priority", 1),
-                                   tuple(rec.get("exclude", ())), tuple(rec.get("prefix", ())),
-                                   rec.get("session"))
-            out.decisions += 1
-            got = ticket.node_id if ticket is not None else None
-            if got != rec["node"]:
-                out.differences.append({"record": i, "op": "pick", "t": rec["t"],
-                                        "recorded": rec["node"], "replayed": got})
-            if ticket is not None and rec.get("ticket") is not None:
-                tickets[rec["ticket"]] = ticket
-        elif op == "rank":
-            ranked = balancer.rank(rec["model"], rec["prompt_tokens"], rec["t"],
-                                   rec.get("max_tokens"), rec.get("priority", 1),
-                                   tuple(rec.get("exclude", ())), rec.get("n", 1),
-                                   tuple(rec.get("prefix", ())), rec.get("session"))
-            out.decisions += 1
-            if ranked != rec["nodes"]:
-                out.differences.append({"record": i, "op": "rank", "t": rec["t"],
-                                        "recorded": rec["nodes"], "replayed": ranked})
-        elif op == "take":
-            taken = balancer.take(rec["model"], rec["node"], rec["prompt_tokens"], rec["t"],
-                                  tuple(rec.get("prefix", ())))
-            if taken is not None:
-                tickets[rec["ticket"]] = taken
-        elif op == "admit":
-            admitted = balancer.admit(rec["model"], rec["prompt_tokens"], rec["t"],
-                                 rec.get("max_tokens"), rec.get("priority", 1),
-                                 tuple(rec.get("exclude", ())), rec.get("ttft_s"),
-                                 rec.get("size_bytes", 0), prefix=tuple(rec.get("prefix", ())),
-                                 session=rec.get("session"))
-            out.decisions += 1
-            replayed = decision_dict(admitted)
-            if replayed != rec["result"]:
-                out.differences.append({"record": i, "op": "admit", "t": rec["t"],
-                                        "recorded": rec["result"], "replayed": replayed})
-            if isinstance(admitted, Ticket) and "ticket" in rec["result"]:
-                tickets[rec["result"]["ticket"]] = admitted
-            elif isinstance(admitted, Waiter) and "queued" in rec["result"]:
-                waiters[rec["result"]["queued"]] = admitted
-        elif op == "poll_queue":
-            decisions = balancer.poll_queue(rec["t"])
-            out.decisions += 1
-            replayed_list = [{"waiter": w.wid, **decision_dict(d)} for w, d in decisions]
-            if replayed_list != rec["decisions"]:
-                out.differences.append({"record": i, "op": "poll_queue", "t": rec["t"],
-                                        "recorded": rec["decisions"],
-                                        "replayed": replayed_list})
-            for (w, d), recorded in zip(decisions, rec["decisions"], strict=False):
-                waiters.pop(w.wid, None)
-                if isinstance(d, Ticket) and "ticket" in recorded:
-                    tickets[recorded["ticket"]] = d
-        elif op == "cancel_queued":
-            waiter = waiters.pop(rec["waiter"], None)
-            if waiter is not None:
-                balancer.cancel_queued(waiter)
-        elif op == "first_token":
-            t = tickets.get(rec["ticket"])
-            if t is not None:
-                balancer.on_first_token(t, rec["t"], defer_prefill=rec.get("defer", False))
-        elif op == "progress":
-            t = tickets.get(rec["ticket"])
-            if t is not None:
-                balancer.on_stream_progress(t, rec["tokens"], rec["t"])
-        elif op == "no_first_token":
-            t = tickets.get(rec["ticket"])
-            if t is not None:
-                balancer.expect_no_first_token(t, rec["t"])
-        elif op == "finish":
-            t = tickets.pop(rec["ticket"], None)
-            if t is not None:
-                balancer.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"],
-                                   judged=rec.get("judged", True), timed=rec.get("timed", True),
-                                   cached_tokens=rec.get("cached_tokens"))
-        elif op == "blame":
-            balancer.blame(rec["node"], Outcome(rec["outcome"]), rec["t"])
-        elif op == "engine_metrics":
-            balancer.on_engine_metrics(rec["node"], rec["t"], rec["running"], rec["waiting"],
-                                       rec["kv_usage"])
-        elif op == "tick":
-            out.decisions += 1
-            pending = (i, rec["t"], [event_to_dict(e) for e in balancer.tick(rec["t"])])
-        elif op == "peers":
-            out.decisions += 1
-            adopted = balancer.on_peers(rec["t"], rec["reports"], rec["leader"])
-            pending = (i, rec["t"], [event_to_dict(e) for e in adopted])
-        else:
+        handler = self.ops.get(op) if isinstance(op, str) else None
+        if handler is None:
             raise ValueError(f"record {i}: unknown op {op!r}")
-    settle([])
-    return out
+        handler(i, rec)
+
+    def settle(self, recorded: list[dict[str, Any]]) -> None:
+        if self.pending is not None and self.pending[2] != recorded:
+            i, t, replayed = self.pending
+            self.out.differences.append({"record": i, "op": "tick", "t": t,
+                                         "recorded": recorded, "replayed": replayed})
+        self.pending = None
+
+    def _differs(self, i: int, rec: Record, recorded: Any, replayed: Any) -> None:
+        self.out.decisions += 1
+        if replayed != recorded:
+            self.out.differences.append({"record": i, "op": rec["op"], "t": rec["t"],
+                                         "recorded": recorded, "replayed": replayed})
+
+    # -- the fleet ------------------------------------------------------------------
+
+    def _init(self, rec: Record) -> None:
+        outliers = rec.get("outliers")
+        self._balancer = Balancer([], [], rng_from_init(rec), self.catalog,
+                                  from_jsonable(PerfParams, rec["perf_params"]),
+                                  outliers=from_jsonable(OutlierConfig, outliers)
+                                  if outliers is not None else None)
+        self.tickets.clear()
+        self.waiters.clear()
+
+    def _add_pool(self, i: int, rec: Record) -> None:
+        self.b.add_pool(from_jsonable(PoolConfig, rec["config"]))
+
+    def _replace_pool(self, i: int, rec: Record) -> None:
+        self.b.replace_pool(from_jsonable(PoolConfig, rec["config"]))
+
+    def _add_node(self, i: int, rec: Record) -> None:
+        spec: NodeSpec = from_jsonable(NodeSpec, rec["spec"])
+        self.b.add_node(spec)
+
+    def _remove_node(self, i: int, rec: Record) -> None:
+        self.b.remove_node(rec["node"])
+
+    def _set_state(self, i: int, rec: Record) -> None:
+        self.b.set_state(rec["node"], NodeState(rec["state"]))
+
+    # -- routing decisions ----------------------------------------------------------
+
+    def _pick(self, i: int, rec: Record) -> None:
+        ticket = self.b.pick(*_args(rec), tuple(rec.get("prefix", ())), rec.get("session"))
+        self._differs(i, rec, rec["node"], ticket.node_id if ticket is not None else None)
+        if ticket is not None and rec.get("ticket") is not None:
+            self.tickets[rec["ticket"]] = ticket
+
+    def _rank(self, i: int, rec: Record) -> None:
+        ranked = self.b.rank(*_args(rec), rec.get("n", 1), tuple(rec.get("prefix", ())),
+                             rec.get("session"))
+        self._differs(i, rec, rec["nodes"], ranked)
+
+    def _take(self, i: int, rec: Record) -> None:
+        taken = self.b.take(rec["model"], rec["node"], rec["prompt_tokens"], rec["t"],
+                            tuple(rec.get("prefix", ())))
+        if taken is not None:
+            self.tickets[rec["ticket"]] = taken
+
+    def _admit(self, i: int, rec: Record) -> None:
+        admitted = self.b.admit(*_args(rec), rec.get("ttft_s"), rec.get("size_bytes", 0),
+                                prefix=tuple(rec.get("prefix", ())), session=rec.get("session"))
+        result = rec["result"]
+        self._differs(i, rec, result, decision_dict(admitted))
+        if isinstance(admitted, Ticket) and "ticket" in result:
+            self.tickets[result["ticket"]] = admitted
+        elif isinstance(admitted, Waiter) and "queued" in result:
+            self.waiters[result["queued"]] = admitted
+
+    def _poll_queue(self, i: int, rec: Record) -> None:
+        decisions = self.b.poll_queue(rec["t"])
+        replayed = [{"waiter": w.wid, **decision_dict(d)} for w, d in decisions]
+        self._differs(i, rec, rec["decisions"], replayed)
+        for (w, d), recorded in zip(decisions, rec["decisions"], strict=False):
+            self.waiters.pop(w.wid, None)
+            if isinstance(d, Ticket) and "ticket" in recorded:
+                self.tickets[recorded["ticket"]] = d
+
+    def _cancel_queued(self, i: int, rec: Record) -> None:
+        waiter = self.waiters.pop(rec["waiter"], None)
+        if waiter is not None:
+            self.b.cancel_queued(waiter)
+
+    # -- a request's life on its node -----------------------------------------------
+
+    def _first_token(self, i: int, rec: Record) -> None:
+        t = self.tickets.get(rec["ticket"])
+        if t is not None:
+            self.b.on_first_token(t, rec["t"], defer_prefill=rec.get("defer", False))
+
+    def _progress(self, i: int, rec: Record) -> None:
+        t = self.tickets.get(rec["ticket"])
+        if t is not None:
+            self.b.on_stream_progress(t, rec["tokens"], rec["t"])
+
+    def _no_first_token(self, i: int, rec: Record) -> None:
+        t = self.tickets.get(rec["ticket"])
+        if t is not None:
+            self.b.expect_no_first_token(t, rec["t"])
+
+    def _finish(self, i: int, rec: Record) -> None:
+        t = self.tickets.pop(rec["ticket"], None)
+        if t is not None:
+            self.b.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"],
+                             judged=rec.get("judged", True), timed=rec.get("timed", True),
+                             cached_tokens=rec.get("cached_tokens"))
+
+    def _blame(self, i: int, rec: Record) -> None:
+        self.b.blame(rec["node"], Outcome(rec["outcome"]), rec["t"])
+
+    def _engine_metrics(self, i: int, rec: Record) -> None:
+        self.b.on_engine_metrics(rec["node"], rec["t"], rec["running"], rec["waiting"],
+                                 rec["kv_usage"])
+
+    # -- periodic decisions: compared when the recording's "events" record comes ----
+
+    def _tick(self, i: int, rec: Record) -> None:
+        self.out.decisions += 1
+        self.pending = (i, rec["t"], [event_to_dict(e) for e in self.b.tick(rec["t"])])
+
+    def _peers(self, i: int, rec: Record) -> None:
+        self.out.decisions += 1
+        adopted = self.b.on_peers(rec["t"], rec["reports"], rec["leader"])
+        self.pending = (i, rec["t"], [event_to_dict(e) for e in adopted])
