@@ -41,7 +41,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tailguard.engine.model import Request
+    from tailguard.engine.request import Request
 
 
 class Segment:
