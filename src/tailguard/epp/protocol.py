@@ -1,0 +1,62 @@
+"""The ext_proc side of the endpoint picker: GIE's header and metadata names,
+and the protobuf messages the picker reads and sends (:mod:`tailguard.epp.picker`)."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_body
+
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+OBJECTIVE = "x-gateway-inference-objective"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Objective names understood without configuration (GIE's former criticality levels).
+OBJECTIVES = {"critical": 0, "high": 0, "standard": 1, "normal": 1, "sheddable": 2, "low": 2}
+
+DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+CONTINUE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key,
+                                                                  raw_value=value.encode()))
+
+
+def read_headers(msg: pb.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def metadata(req: pb.ProcessingRequest, namespace: str, key: str) -> list[str] | None:
+    """A string or list of strings under ``metadata_context.filter_metadata[namespace][key]``."""
+    if not req.HasField("metadata_context"):
+        return None
+    ns = req.metadata_context.filter_metadata.get(namespace)
+    if ns is None or key not in ns.fields:
+        return None
+    v = ns.fields[key]
+    kind = v.WhichOneof("kind")
+    if kind == "string_value":  # a header_to_metadata filter writes one comma-joined string
+        return [e.strip() for e in v.string_value.split(",") if e.strip()]
+    if kind == "list_value":
+        return [e.string_value for e in v.list_value.values if e.string_value]
+    return []
+
+
+def immediate(status: int, message: str, code: str, headers: dict[str, str] | None = None,
+              param: str | None = None) -> pb.ProcessingResponse:
+    """An ``ImmediateResponse``: Envoy answers the client with an OpenAI-style error."""
+    hdrs = {"content-type": "application/json", NODE_HEADER: NO_NODE, **(headers or {})}
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status={"code": status},
+        headers=pb.HeaderMutation(set_headers=[header(k, v) for k, v in hdrs.items()]),
+        body=error_body(status, message, code, param), details=code))
