@@ -74,14 +74,82 @@ def _least_request() -> dict[str, Any]:
         "typed_config": {"@type": LEAST_REQUEST}}}]}
 
 
-def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int = 9901,
-                    picker: str | None = None, failure_mode_allow: bool = False,
-                    retries: int = 2, host: str = "127.0.0.1",
-                    message_timeout_s: float = 30.0, observer: bool = True) -> dict[str, Any]:
-    """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
-    the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
-    bounds one picker reply, and so how long a request may wait in tailguard's queue."""
+def _upstream_options(http: str) -> dict[str, Any]:
+    options: dict[str, Any] = {"@type": HTTP_OPTIONS,
+                               "explicit_http_config": {f"{http}_protocol_options": {}}}
+    if http == "http":
+        options["common_http_protocol_options"] = {"idle_timeout": "4s"}
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": options}
+
+
+def _engines_cluster(config: FleetConfig, picker: bool) -> dict[str, Any]:
+    """The engines; with a picker, routed to the endpoint it names (override_host)."""
     nodes = [(n.host, n.port) for n in config.nodes]
+    cluster: dict[str, Any] = {
+        "name": "engines", "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "engines",
+                            **_endpoints(nodes, [n.id for n in config.nodes])},
+        "typed_extension_protocol_options": _upstream_options("http"),
+    }
+    if not picker:
+        cluster["load_balancing_policy"] = _least_request()
+        return cluster
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": OVERRIDE_HOST,
+            "override_host_sources": [
+                {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                {"header": DESTINATION}],
+            "fallback_policy": _least_request()}}}]}
+    return cluster
+
+
+def _epp_cluster(picker: str) -> dict[str, Any]:
+    epp_host, _, epp_port = picker.rpartition(":")
+    return {
+        "name": "epp", "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "epp", **_endpoints([(epp_host, int(epp_port))])},
+        "typed_extension_protocol_options": _upstream_options("http2"),
+    }
+
+
+def _ext_proc_filters(observer: bool, failure_mode_allow: bool,
+                      message_timeout_s: float) -> list[dict[str, Any]]:
+    """The picker's filter, after the observer's where there is one."""
+    filters: list[dict[str, Any]] = []
+    grpc_service = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"}
+    response = {"response_header_mode": "SEND", "response_body_mode": "STREAMED",
+                "response_trailer_mode": "SKIP"}
+    skip = {"response_header_mode": "SKIP", "response_body_mode": "NONE",
+            "response_trailer_mode": "SKIP"}
+    if observer:
+        # The response in observability mode: Envoy sends it without waiting.
+        filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
+            "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
+            "failure_mode_allow": True, "deferred_close_timeout": "1s",
+            "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                                "request_trailer_mode": "SKIP", **response}}})
+    filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
+        "@type": EXT_PROC,
+        "grpc_service": grpc_service,
+        "failure_mode_allow": failure_mode_allow,
+        "status_on_error": {"code": 503},
+        "message_timeout": f"{message_timeout_s:g}s",
+        "max_message_timeout": f"{message_timeout_s:g}s",
+        "processing_mode": {
+            "request_header_mode": "SEND",
+            "request_body_mode": "BUFFERED" if failure_mode_allow else "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SKIP" if failure_mode_allow else "SEND",
+            **(skip if observer else response)},
+        "metadata_options": {
+            "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+            "receiving_namespaces": {"untyped": ["envoy.lb"]}},
+    }})
+    return filters
+
+
+def _virtual_host(retries: int, picker: bool, observer: bool) -> dict[str, Any]:
     route: dict[str, Any] = {
         "cluster": "engines",
         "timeout": "0s",  # streams run as long as they stream; tailguard's idle rules stay
@@ -96,20 +164,7 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
     vhost: dict[str, Any] = {"name": "inference", "domains": ["*"],
                              "routes": [{"match": {"prefix": "/"}, "route": route}],
                              "include_attempt_count_in_response": True}
-    filters: list[dict[str, Any]] = []
-    cluster: dict[str, Any] = {
-        "name": "engines", "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": "engines",
-                            **_endpoints(nodes, [n.id for n in config.nodes])},
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": HTTP_OPTIONS, "explicit_http_config": {"http_protocol_options": {}},
-            "common_http_protocol_options": {"idle_timeout": "4s"}}},
-    }
-    clusters = [cluster]
-    if picker is None:
-        cluster["load_balancing_policy"] = _least_request()
-    else:
-        epp_host, _, epp_port = picker.rpartition(":")
+    if picker:
         # Which node served it: its id from the endpoint's metadata (as tailguard
         # serve's answers say), and, where the picker can strip it again, its address.
         vhost["response_headers_to_add"] = [
@@ -117,51 +172,23 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
         if not observer:
             vhost["response_headers_to_add"].append(
                 {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}})
-        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.override_host",
-            "typed_config": {
-                "@type": OVERRIDE_HOST,
-                "override_host_sources": [
-                    {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
-                    {"header": DESTINATION}],
-                "fallback_policy": _least_request()}}}]}
-        grpc_service = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"}
-        response = {"response_header_mode": "SEND", "response_body_mode": "STREAMED",
-                    "response_trailer_mode": "SKIP"}
-        skip = {"response_header_mode": "SKIP", "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP"}
-        if observer:
-            # The response in observability mode: Envoy sends it without waiting.
-            filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
-                "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
-                "failure_mode_allow": True, "deferred_close_timeout": "1s",
-                "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
-                                    "request_trailer_mode": "SKIP", **response}}})
-        filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
-            "@type": EXT_PROC,
-            "grpc_service": grpc_service,
-            "failure_mode_allow": failure_mode_allow,
-            "status_on_error": {"code": 503},
-            "message_timeout": f"{message_timeout_s:g}s",
-            "max_message_timeout": f"{message_timeout_s:g}s",
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED" if failure_mode_allow
-                                     else "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SKIP" if failure_mode_allow else "SEND",
-                **(skip if observer else response)},
-            "metadata_options": {
-                "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
-                "receiving_namespaces": {"untyped": ["envoy.lb"]}},
-        }})
-        clusters.append({
-            "name": "epp", "type": "STATIC", "connect_timeout": "1s",
-            "load_assignment": {"cluster_name": "epp",
-                                **_endpoints([(epp_host, int(epp_port))])},
-            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}},
-        })
+    return vhost
+
+
+def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int = 9901,
+                    picker: str | None = None, failure_mode_allow: bool = False,
+                    retries: int = 2, host: str = "127.0.0.1",
+                    message_timeout_s: float = 30.0, observer: bool = True) -> dict[str, Any]:
+    """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
+    the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
+    bounds one picker reply, and so how long a request may wait in tailguard's queue."""
+    clusters = [_engines_cluster(config, picker is not None)]
+    filters: list[dict[str, Any]] = []
+    if picker is not None:
+        filters = _ext_proc_filters(observer, failure_mode_allow, message_timeout_s)
+        clusters.append(_epp_cluster(picker))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
+    vhost = _virtual_host(retries, picker is not None, observer)
     hcm = {"@type": HCM, "stat_prefix": "inference", "codec_type": "AUTO",
            "stream_idle_timeout": "300s",
            # Envoy's own failures (no upstream, a reset, an overflow: a response flag

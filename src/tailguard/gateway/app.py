@@ -99,6 +99,21 @@ def build_app(config: FleetConfig, rng: Random | None = None,
     connections = ClientConnections(lambda: fleet.config.client, metrics.client_closed_reason)
     metrics.watch_connections(lambda: connections.open)
     app[CONNECTIONS] = connections
+    app.add_routes([
+        web.post("/v1/chat/completions", proxy.chat),
+        web.post("/v1/completions", proxy.completions),
+        web.post("/v1/embeddings", proxy.embeddings),
+        *_service_routes(fleet, metrics),
+        *admin.routes(),
+        web.route("*", "/v1/{tail:.*}", _unknown_route),
+    ])
+    app[DASHBOARD] = setup_dashboard(app, fleet)
+    _add_lifecycle(app, fleet, proxy, reloader, remediator, recorder)
+    return app
+
+
+def _service_routes(fleet: LiveFleet, metrics: GatewayMetrics) -> list[web.RouteDef]:
+    """The model list, liveness, readiness and the Prometheus page."""
     started = time.time()
 
     async def models(request: web.Request) -> web.StreamResponse:
@@ -123,22 +138,20 @@ def build_app(config: FleetConfig, rng: Random | None = None,
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def unknown_route(request: web.Request) -> web.StreamResponse:
-        return error_response(404, f"no route {request.method} {request.path}", "not_found")
+    return [web.get("/v1/models", models), web.get("/health", health),
+            web.get("/ready", ready), web.get("/metrics", prometheus)]
 
-    app.add_routes([
-        web.post("/v1/chat/completions", proxy.chat),
-        web.post("/v1/completions", proxy.completions),
-        web.post("/v1/embeddings", proxy.embeddings),
-        web.get("/v1/models", models),
-        web.get("/health", health),
-        web.get("/ready", ready),
-        web.get("/metrics", prometheus),
-        *admin.routes(),
-        web.route("*", "/v1/{tail:.*}", unknown_route),
-    ])
-    app[DASHBOARD] = setup_dashboard(app, fleet)
 
+async def _unknown_route(request: web.Request) -> web.StreamResponse:
+    return error_response(404, f"no route {request.method} {request.path}", "not_found")
+
+
+def _add_lifecycle(app: web.Application, fleet: LiveFleet, proxy: Proxy,
+                   reloader: ConfigReloader, remediator: Remediator,
+                   recorder: DecisionFile | None) -> None:
+    """Start the gateway's side work with the app (upstream client, health checks and
+    scrapes, discovery, reloads) and stop it, and close the recording, with it."""
+    config = fleet.config
     side: list[aiohttp.ClientSession] = []  # health checks, scrapes, webhooks
     discovery: list[KubernetesDiscovery] = []  # with discovery: in the fleet file
     app[DISCOVERY] = discovery
@@ -176,7 +189,6 @@ def build_app(config: FleetConfig, rng: Random | None = None,
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
-    return app
 
 
 @dataclass(frozen=True, slots=True)

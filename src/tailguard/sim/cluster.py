@@ -231,12 +231,7 @@ class ClusterSim:
     def run(self, horizon_s: float, tick_s: float,
             progress: Callable[[float], None] | None) -> RunRecord:
         rec = self.rec
-        self._schedule_faults(horizon_s)
-        if rec.arrival:
-            self.push(rec.arrival[0], ARRIVE, 0)
-        self.push(tick_s, TICK)
-        if any(f.kind == "crash" for f in self.faults):  # nothing else fails a probe
-            self.push(HEALTH_INTERVAL_S, HEALTH)
+        self._start(horizon_s, tick_s)
         heap = self.heap
         pop = heapq.heappop
         push = heapq.heappush
@@ -267,19 +262,7 @@ class ClusterSim:
                     progress(now)
                     next_progress = now + 10.0
             elif kind == SUBMIT:
-                ns = nodes[b]
-                if ns.crashed:
-                    self.push(now + self.half_rtt + ns.delay, FAIL, a, 0)
-                    continue
-                owner = self.copy_ex[a]
-                if owner is not None:
-                    rid = owner.tag
-                    if self.blocks is None:
-                        ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now)
-                    else:
-                        ns.engine.submit(a, rec.prompt[rid], rec.output[rid], now,
-                                         self.blocks[rid], self.bt)
-                    self._reschedule(ns)
+                self._submit(a, nodes[b], now)
             elif kind <= FAIL:  # FIRST, FINISH, FAIL
                 copy = copies[a]
                 ex = self.copy_ex[a]
@@ -301,18 +284,47 @@ class ClusterSim:
                 health_check(nodes, self.balancer)
                 if self.outstanding > 0:
                     self.push(now + HEALTH_INTERVAL_S, HEALTH)
-            else:  # TICK
-                if self.streaming:
-                    self.streaming.report(now, self.nodes, self.copy_node, self.half_rtt)
-                events = self.balancer.tick(now)
-                if events and self.gpu_telemetry:
-                    events = [self._with_gpu_cause(e) for e in events]
-                rec.events.extend(events)
-                if self.limited:
-                    self._place_queued(now)
-                if self.outstanding > 0:
-                    self.push(now + tick_s, TICK)
+            else:
+                self._tick(now, tick_s)
         return self._finish_record(now)
+
+    def _start(self, horizon_s: float, tick_s: float) -> None:
+        """The first arrival, the first tick, the faults and, where a node may crash, probes."""
+        self._schedule_faults(horizon_s)
+        if self.rec.arrival:
+            self.push(self.rec.arrival[0], ARRIVE, 0)
+        self.push(tick_s, TICK)
+        if any(f.kind == "crash" for f in self.faults):  # nothing else fails a probe
+            self.push(HEALTH_INTERVAL_S, HEALTH)
+
+    def _submit(self, cid: int, ns: SimNode, now: float) -> None:
+        """Copy ``cid`` reaches its node's engine (or fails there: the node is down)."""
+        if ns.crashed:
+            self.push(now + self.half_rtt + ns.delay, FAIL, cid, 0)
+            return
+        owner = self.copy_ex[cid]
+        if owner is None:
+            return
+        rid = owner.tag
+        rec = self.rec
+        if self.blocks is None:
+            ns.engine.submit(cid, rec.prompt[rid], rec.output[rid], now)
+        else:
+            ns.engine.submit(cid, rec.prompt[rid], rec.output[rid], now, self.blocks[rid], self.bt)
+        self._reschedule(ns)
+
+    def _tick(self, now: float, tick_s: float) -> None:
+        """The balancer's periodic work: stream progress, detection, the queues."""
+        if self.streaming:
+            self.streaming.report(now, self.nodes, self.copy_node, self.half_rtt)
+        events = self.balancer.tick(now)
+        if events and self.gpu_telemetry:
+            events = [self._with_gpu_cause(e) for e in events]
+        self.rec.events.extend(events)
+        if self.limited:
+            self._place_queued(now)
+        if self.outstanding > 0:
+            self.push(now + tick_s, TICK)
 
     def _schedule_faults(self, horizon_s: float) -> None:
         for fi, f in enumerate(self.faults):
