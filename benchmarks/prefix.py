@@ -54,7 +54,8 @@ from tailguard.errors import ConfigError
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import parse_scenario
 from tailguard.sim.sessions import PrefixSpec, generate_sessions
-from tailguard.sim.workload import MOONCAKE_BLOCK_TOKENS, parse_length_dist
+from tailguard.sim.traces import MOONCAKE_BLOCK_TOKENS
+from tailguard.sim.workload import parse_length_dist
 
 POLICIES = ("tailguard", "cache_aware", "least_request", "round_robin", "consistent_hash")
 MIXED = ("H100-SXM", "A100-80GB", "L40S", "L4", "T4")

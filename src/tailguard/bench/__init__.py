@@ -13,7 +13,8 @@ Programmatic use (the demo, tests)::
 """
 
 from tailguard.bench.lengths import length_dist_mapping, parse_length_arg
-from tailguard.bench.loadgen import BenchConfig, LoadGenerator, Progress, Record, run_bench
+from tailguard.bench.loadgen import BenchConfig, LoadGenerator, Progress, run_bench
+from tailguard.bench.summary import Record
 
 __all__ = [
     "BenchConfig",

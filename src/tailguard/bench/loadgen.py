@@ -53,6 +53,12 @@ to the server it measures.
 The result (:func:`summarize`) has the shape of one entry of ``tailguard sim
 --json``, with 429s counted apart from failures (``rejected``) and a
 ``per_node`` breakdown.
+
+Size (about 450 lines, over the ~400 guide): :class:`LoadGenerator` is one
+client loop whose parts (open and closed loops, the request bodies with
+shared prefixes, streamed and whole answers, the per-request records) share
+the session, the clock and the records; the records and their summary are
+:mod:`tailguard.bench.summary`.
 """
 
 from __future__ import annotations
@@ -67,17 +73,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from tailguard.bench.prefix_text import BlockText
+from tailguard.bench.summary import DIRECT, OK, Record, summarize
 from tailguard.core.policies import Slo
-from tailguard.sim.results import summary
 from tailguard.sim.workload import FixedLength, LengthDist, Requests
 
 NODE_HEADER = "x-tailguard-node"
 SESSION_HEADER = "x-session-id"
-DIRECT = "direct"
-OK = "ok"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,32 +118,6 @@ class BenchConfig:
             raise ValueError(f"duration must be > 0, got {self.duration_s}")
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint must be chat or completions, got {self.endpoint!r}")
-
-
-class Record:
-    """What happened to one request (times in seconds from the run's start)."""
-
-    __slots__ = ("arrival", "blocks", "cached", "end", "error", "first", "input", "max_tokens",
-                 "node", "prompt_reported", "salt", "session", "status", "target", "tokens")
-
-    def __init__(self, arrival: float, n_in: int, n_out: int,
-                 blocks: tuple[int, ...] | None = None, salt: int = 0,
-                 session: int | None = None) -> None:
-        self.arrival = arrival
-        self.session = session  # sent as x-session-id (session affinity)
-        self.blocks = blocks  # its prompt's blocks, when the workload shares prefixes
-        self.salt = salt
-        self.cached = -1  # prompt tokens the server reported cached (-1: not reported)
-        self.prompt_reported = 0
-        self.input = n_in
-        self.max_tokens = n_out
-        self.first = -1.0
-        self.end = -1.0
-        self.tokens = 0
-        self.status = 0
-        self.node = DIRECT
-        self.error = "unfinished"
-        self.target = 0  # which of several targets it was sent to
 
 
 @dataclass(slots=True)
@@ -474,93 +451,10 @@ class LoadGenerator:
         }
 
 
-def _per_node(nodes: np.ndarray[Any, Any], ok: np.ndarray[Any, Any], meets: np.ndarray[Any, Any],
-              ttft: np.ndarray[Any, Any], tpot: np.ndarray[Any, Any],
-              requests: int) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for node in sorted(set(nodes.tolist())):
-        mask = nodes == node
-        done = mask & ok
-        out[node] = {
-            "requests": int(mask.sum()),
-            "share": round(float(mask.sum()) / requests, 6) if requests else 0.0,
-            "completed": int(done.sum()),
-            "ttft_p50_s": round(float(np.percentile(ttft[done], 50)), 6) if done.any() else 0.0,
-            "ttft_p99_s": round(float(np.percentile(ttft[done], 99)), 6) if done.any() else 0.0,
-            "tpot_p50_s": round(float(np.percentile(tpot[done], 50)), 6) if done.any() else 0.0,
-            "tpot_p99_s": round(float(np.percentile(tpot[done], 99)), 6) if done.any() else 0.0,
-            "slo_attainment": round(float(meets[mask].mean()), 6) if mask.any() else 0.0,
-        }
-    return out
-
-
-def summarize(records: list[Record], cfg: BenchConfig, elapsed_s: float) -> dict[str, Any]:
-    """One result entry in the shape of ``tailguard sim --json`` (see the module docstring)."""
-    n = len(records)
-    arrival = np.fromiter((r.arrival for r in records), float, n)
-    first = np.fromiter((r.first for r in records), float, n)
-    end = np.fromiter((r.end for r in records), float, n)
-    tokens = np.fromiter((r.tokens for r in records), float, n)
-    errors = [r.error for r in records]
-    nodes = np.array([r.node for r in records], dtype=object)
-    ok = np.array([e == OK for e in errors], dtype=bool)
-    rejected = sum(1 for e in errors if e == "http_429")
-    ttft = np.where(ok, first - arrival, 0.0)
-    tpot = np.where(ok & (tokens > 1), (end - first) / np.maximum(tokens - 1, 1), 0.0)
-    e2e = end - arrival
-    meets = ok & (ttft <= cfg.slo.ttft_s) & (tpot <= cfg.slo.tpot_s)
-    # As in the simulator's report: a request cut off by the drain enters the
-    # TTFT statistics with what it had waited, so a stalled server cannot hide
-    # its queue by never answering.
-    cut = np.array([e == "unfinished" for e in errors], dtype=bool)
-    waited = np.where(first[cut] >= 0, first[cut], elapsed_s) - arrival[cut]
-    ttft_stats = np.concatenate([ttft[ok], waited])
-    span = cfg.duration_s
-    completed = int(ok.sum())
-    by_kind: dict[str, int] = {}
-    for e in errors:
-        if e != OK:
-            by_kind[e] = by_kind.get(e, 0) + 1
-    offered = cfg.rate if cfg.rate is not None else n / span
-    result: dict[str, Any] = {
-        "offered_rps": round(offered, 6),
-        "mode": "closed" if cfg.concurrency is not None else "open",
-        "concurrency": cfg.concurrency,
-        "stream": cfg.stream,
-        "duration_s": span,
-        "elapsed_s": round(elapsed_s, 3),
-        "requests": n,
-        "completed": completed,
-        "failed": n - completed - rejected,
-        "rejected": rejected,
-        "unfinished": by_kind.get("unfinished", 0),
-        "errors": dict(sorted(by_kind.items())),
-        "throughput_rps": round(completed / span, 6),
-        "output_tokens_per_s": round(float(tokens[ok].sum()) / span, 6),
-        "ttft_s": summary(ttft_stats),
-        "tpot_s": summary(tpot[ok]),
-        "e2e_s": summary(e2e[ok]),
-        "slo_attainment": round(float(meets.mean()), 6) if n else 0.0,
-        "goodput_rps": round(float(meets.sum()) / span, 6),
-        "per_node": _per_node(nodes, ok, meets, ttft, tpot, n),
-    }
-    reported = [r for r, good in zip(records, ok, strict=True) if good and r.cached >= 0]
-    if reported:
-        prompt = sum(r.prompt_reported or r.input for r in reported)
-        cached = sum(r.cached for r in reported)
-        hit = np.array([r.cached > 0 for r in reported])
-        t = np.array([r.first - r.arrival for r in reported])
-        result["prefix"] = {
-            "hit_rate": round(cached / prompt, 6) if prompt else 0.0,
-            "requests_hit": round(float(hit.mean()), 6),
-            "prefill_tokens_saved": cached,
-            "ttft_cached_s": summary(t[hit]),
-            "ttft_uncached_s": summary(t[~hit]),
-        }
-    return result
-
-
 async def run_bench(cfg: BenchConfig, progress: Callable[[Progress], None] | None = None
                     ) -> dict[str, Any]:
     """Run one benchmark; returns ``{"scenario", "target", "model", "slo", "results": {label: ...}}``."""
     return await LoadGenerator(cfg, progress).run()
+
+
+__all__ = ["BenchConfig", "LoadGenerator", "Progress", "Record", "run_bench", "summarize"]
