@@ -21,11 +21,12 @@ limiter). Recording wraps the public entry points here, so nested calls are
 never recorded twice.
 
 Size (about 510 lines, over the ~400 guide): the Balancer is the core's one
-facade, and each of its 29 methods is one documented input or read of it
+facade. Its public methods are the documented inputs and reads of the core
 (pools and nodes, pick / rank / take / admit, the request's first token,
 progress and finish, the queue, the engines' metrics, the tick), most a few
-lines that delegate to the modules above. Splitting it further would scatter
-the list of what a driver may tell the core.
+lines that delegate to the modules above, beside the few private helpers
+they share. Splitting it further would scatter the list of what a driver may
+tell the core.
 """
 
 from __future__ import annotations

@@ -11,9 +11,12 @@ deletion (an ``epoch`` per stay) when a request is cancelled or preempted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from heapq import heappop, heappush
 
 from tailguard.engine.request import DECODE, WAITING, Request
+
+_NONE: tuple[Request, ...] = ()
 
 
 class DecodeBatch:
@@ -65,9 +68,11 @@ class DecodeBatch:
         r.gen = r.g0 + s - r.s0
         r.state = WAITING
 
-    def finished_by(self, s: int) -> list[Request]:
+    def finished_by(self, s: int) -> Sequence[Request]:
         """Pop the members whose last token is at a step before ``s`` (still members)."""
         heap = self.heap
+        if not heap or heap[0][0] > s:
+            return _NONE  # the usual case: no allocation
         done: list[Request] = []
         while heap and heap[0][0] <= s:
             _, _, epoch, r = heappop(heap)

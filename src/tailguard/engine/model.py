@@ -36,8 +36,9 @@ request, from the decode batch's aggregates (:mod:`tailguard.engine.decode_batch
 
 An input in the middle of a run truncates it to the step in progress: the
 inverse of the closed-form sum (a quadratic root, fixed up by +-1), ``O(1)``.
-With ``step_by_step=True`` the engine reports every step boundary from :meth:`Engine.next_event_time` (for
-an emulator that streams tokens) and computes the very same numbers.
+With ``step_by_step=True`` the engine reports every step boundary from
+:meth:`Engine.next_event_time` (for an emulator that streams tokens) and
+computes the very same numbers.
 """
 
 from __future__ import annotations

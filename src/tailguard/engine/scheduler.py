@@ -215,8 +215,7 @@ class Scheduler:
                     out.append((t, FINISH, r.rid))
                 else:
                     self._join_decode(r)
-        dec = self._dec
-        for r in dec.finished_by(steps) if dec.heap and dec.heap[0][0] <= steps else ():
+        for r in self._dec.finished_by(steps):
             self._leave_decode(r)
             r.state = GONE
             rid = r.rid
@@ -340,7 +339,7 @@ class Scheduler:
     def _open_segment(
         self, t: float, chunks: list[tuple[Request, int]], preempted: bool, free: int
     ) -> None:
-        """Time the composed step: a prefill step, one pipelined step, or a closed-form decode run."""
+        """Time the composed step: a prefill step, a pipelined step or a closed-form decode run."""
         s = self._steps
         dec = self._dec
         n_dec = dec.n

@@ -74,11 +74,12 @@ def _least_request() -> dict[str, Any]:
         "typed_config": {"@type": LEAST_REQUEST}}}]}
 
 
-def _upstream_options(http: str) -> dict[str, Any]:
+def _upstream_options(protocol: str, idle_timeout: str | None = None) -> dict[str, Any]:
+    """A cluster's upstream protocol (``http`` or ``http2``) and connection idle timeout."""
     options: dict[str, Any] = {"@type": HTTP_OPTIONS,
-                               "explicit_http_config": {f"{http}_protocol_options": {}}}
-    if http == "http":
-        options["common_http_protocol_options"] = {"idle_timeout": "4s"}
+                               "explicit_http_config": {f"{protocol}_protocol_options": {}}}
+    if idle_timeout is not None:
+        options["common_http_protocol_options"] = {"idle_timeout": idle_timeout}
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": options}
 
 
@@ -89,7 +90,7 @@ def _engines_cluster(config: FleetConfig, picker: bool) -> dict[str, Any]:
         "name": "engines", "type": "STATIC", "connect_timeout": "1s",
         "load_assignment": {"cluster_name": "engines",
                             **_endpoints(nodes, [n.id for n in config.nodes])},
-        "typed_extension_protocol_options": _upstream_options("http"),
+        "typed_extension_protocol_options": _upstream_options("http", idle_timeout="4s"),
     }
     if not picker:
         cluster["load_balancing_policy"] = _least_request()

@@ -37,8 +37,9 @@ _TAIL = 4096  # of a non-streamed answer kept for its usage (it ends the body)
 
 
 class ResponseSide:
-    """What a request's answer teaches the exchange; :class:`~tailguard.epp.request.PickedRequest`
-    adds the request side and sets these fields."""
+    """What a request's answer teaches the exchange, and the refusal and request
+    count both sides use; :class:`~tailguard.epp.request.PickedRequest` adds the
+    request side and sets these fields."""
 
     picker: EndpointPicker
     t0: float

@@ -22,7 +22,7 @@ network and the faults are :mod:`tailguard.sim.nodes`.
 Size (about 510 lines, over the ~400 guide): :class:`ClusterSim` is the
 exchange's simulator driver, one method per exchange action and per event
 kind, all on the one event heap and the copy tables; the loop keeps the
-frequent events inline for speed.
+frequent events (engine steps, arrivals, first tokens, finishes) inline.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ class ClusterSim:
                 health_check(nodes, self.balancer)
                 if self.outstanding > 0:
                     self.push(now + HEALTH_INTERVAL_S, HEALTH)
-            else:
+            else:  # TICK
                 self._tick(now, tick_s)
         return self._finish_record(now)
 

@@ -197,4 +197,10 @@ def requests_from_recording(text: str, where: str, file: Path) -> Requests:
     return Requests(arrivals, prompts, answers)
 
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "Requests", "read_trace", "requests_from_recording", "write_trace"]
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "Requests",
+    "read_trace",
+    "requests_from_recording",
+    "write_trace",
+]
