@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -406,3 +406,83 @@ def test_a_windows_samples_are_one_sample() -> None:
     caught = run(2.0, 70)  # its first slow window closes at 61 s
     assert [(n, s) for _, n, s in caught] == [("A100-80GB#2", "degraded")]
     assert caught[0][0] <= 60 + 3
+
+
+@dataclass
+class Waiting:
+    """A prompt a node owes its first token (what Node.overdue_s reads)."""
+
+    due: float
+    t_first: float = -1.0
+    released: bool = False
+    presumed: bool = False
+
+
+def test_a_stall_is_a_silence_past_a_due_prompt() -> None:
+    """Node.spans_stall: a silence of STALL_S or more past a due prompt is a stall,
+    while it lasts and once an answer ends it; work timed across it times the
+    stall. A shorter silence is a slow answer, the learner's to price."""
+    node = make_nodes(["A100"])["A100-80GB#0"]
+    late = Waiting(due=1.0)
+    node.awaits(late)
+    assert not node.spans_stall(0.5, 1.5)  # 0.5 s past due: not (yet) a stall
+    assert node.spans_stall(0.5, 2.5)  # 1.5 s: a stall under way
+    late.t_first = 3.0
+    node.progressed(3.0)
+    assert (node.stall_from, node.stall_to, node.stalls, node.stalled_s) == (1.0, 3.0, 1, 2.0)
+    assert node.spans_stall(0.5, 3.5)  # began before it, ended after
+    assert node.spans_stall(2.0, 3.2)  # begun inside it (a piece read on a clock)
+    assert not node.spans_stall(3.0, 4.0)  # after it
+    brief = Waiting(due=5.0)
+    node.awaits(brief)
+    brief.t_first = 5.5
+    node.progressed(5.5)  # 0.5 s late: slow, not stalled
+    assert (node.stalls, node.stall_to) == (1, 3.0)
+
+
+def test_stalls_are_not_slowness_but_many_are_flagged() -> None:
+    """A node as fast as its peers that stalls 2 s in every 10 (the router dodges
+    each stall as it happens) gives no evidence of slowness: the decode pieces
+    timed across its stalls, which read 3x slow, are left out (from a node
+    whose silences were never past a due prompt, the same pieces are evidence).
+    One silent 6 s in every 10 is degraded for its stalls, weighted at the
+    share of time it works."""
+    def run(pause: int, stalls: bool) -> tuple[Rig, Node, float]:
+        rig = Rig(["A100"] * 3)
+        odd = rig.nodes["A100-80GB#2"]
+        owed = Waiting(math.inf)
+        most = 0.0  # the most decode evidence against it
+        for second in range(120):
+            phase = second % 10
+            for node in rig.nodes.values():
+                if node is odd and second >= 20 and phase <= pause:
+                    if phase == 0 and stalls:
+                        owed = Waiting(due=rig.now + 0.1)
+                        node.awaits(owed)
+                    if phase < pause:
+                        continue  # silent
+                    if stalls:  # the answer that ends it
+                        owed.t_first = rig.now
+                        node.progressed(rig.now)
+                    for _ in range(4):  # the pieces across the stall
+                        rig.det.on_decode(node, 0.02 * (1 + pause), 0.02, 64, rig.now,
+                                          rig.now - pause - 1.0)
+                    continue
+                for _ in range(10):
+                    rig.det.on_decode(node, 0.02, 0.02, 64, rig.now, rig.now - 0.5)
+            rig.now += 1.0
+            rig.tick()
+            most = max(most, rig.det.health[odd.id].decode.cusum)
+        return rig, odd, most
+
+    rig, odd, most = run(2, stalls=True)
+    assert rig.events == [] and most == 0.0
+    assert rig.det.stall_samples == 4 * 10
+    assert odd.stalls == 10
+    rig, odd, most = run(2, stalls=False)
+    assert most >= 3.0 and rig.det.stall_samples == 0
+    rig, odd, _ = run(6, stalls=True)
+    assert [(n, s) for _, n, s in rig.events] == [("A100-80GB#2", "degraded")]
+    assert rig.det.health[odd.id].reason.startswith("slow: stalls")
+    # Silent 5.9 s of each 10 (from its prompt's due): about 2.4x.
+    assert odd.weight_scale == pytest.approx(1.0 - 3 * 5.9 / 30.0, abs=0.05)

@@ -48,6 +48,10 @@ OVERDUE_FACTOR = 2.0
 # expected TTFT. Without an end, a node left silent would never be sent another
 # request, and never seen to recover (the outlier detector, not this, ejects).
 OWED_S = 1.0
+# A silence past a due prompt this long is a stall (Node.spans_stall): longer than
+# the gaps between a slow node's answers under load, and long enough that a piece
+# of decode timed across it reads several times slow.
+STALL_S = 1.0
 
 
 class Awaited(Protocol):
@@ -225,6 +229,10 @@ class Node:
         "remote_speed",
         "slots",
         "spec",
+        "stall_from",
+        "stall_to",
+        "stalled_s",
+        "stalls",
         "state",
         "tpot",
         "ttft",
@@ -297,6 +305,11 @@ class Node:
         self.owed_due = math.inf
         self.owed_until = 0.0
         self.progress_t = 0.0
+        # The last stall seen to end (Node.spans_stall): from when the node was
+        # silent past a due prompt, to the answer that ended the silence.
+        self.stall_from = self.stall_to = -math.inf
+        self.stalls = 0  # stalls seen to end, and their silence in all (the detector's)
+        self.stalled_s = 0.0
         # The earliest time overdue_s can be above 0, as it last found (-inf: look
         # again; set so whenever the front of ``awaited`` may have changed), so a
         # policy calls it only when it can matter.
@@ -443,6 +456,25 @@ class Node:
         self.overdue_at = since
         return now - since if now > since else 0.0
 
+    def spans_stall(self, since: float, now: float) -> bool:
+        """Whether work timed from ``since`` to ``now`` overlaps a stall: a silence
+        past a due prompt of STALL_S or more, the last one seen to end or one
+        still going on.
+
+        Such a sample times the stall, not the node's speed: a piece of decode
+        across a 2 s pause reads 3x slow on a node as fast as its peers. The
+        router already dodges a stall as it happens (:meth:`overdue_s`); the
+        outlier detector, counting it again as slowness, weighted a node that
+        paused 2 s in every 10 at a third of its worth. Overlap, not only
+        spanning: a driver that reads a stream's tokens on a clock (the
+        simulator's ticks) may end a piece inside the stall and begin the next
+        there. A node that decodes on through a silence of its prompts alone
+        (a stuck prefill) has those pieces left out too.
+        """
+        if since < self.stall_to and now > self.stall_from:
+            return True
+        return self.overdue_s(now) >= STALL_S
+
     def _trim(self) -> deque[Awaited]:
         """Drop the requests at the front that are no longer waiting."""
         q = self.awaited
@@ -458,6 +490,14 @@ class Node:
 
     def progressed(self, now: float) -> None:
         """A first token or a good finish: the node is answering (Node.overdue_s)."""
+        q = self.awaited
+        if q:  # the front may be the request answering now: its due counts
+            due = q[0].due
+            since = due if due > self.progress_t else self.progress_t
+            if now - since >= STALL_S:
+                self.stall_from, self.stall_to = since, now
+                self.stalls += 1
+                self.stalled_s += now - since
         self.progress_t = now
         self.owed_due = math.inf
         self.overdue_at = -math.inf

@@ -49,7 +49,8 @@ def outlier_view(fleet: LiveFleet, node_id: str) -> dict[str, Any] | None:
         return None
     node = fleet.balancer.nodes[node_id]
     return {"slowness": round(h.slowness, 3), "weight_scale": round(node.weight_scale, 3),
-            "ejections": h.ejections, "consecutive_failures": h.consecutive_failures}
+            "ejections": h.ejections, "consecutive_failures": h.consecutive_failures,
+            "stalls": node.stalls, "stalled_s": round(node.stalled_s, 3)}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

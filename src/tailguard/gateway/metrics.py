@@ -286,12 +286,20 @@ class FleetCollector:
                       "limit; its slots when no limiter is configured)")
         slowness = gauge("tailguard_node_slowness_ratio",
                          "How slow the node is for its own hardware (1 = like its GPU class)")
+        stalls = CounterMetricFamily("tailguard_node_stalls",
+                                     "Stalls seen to end: silences of 1 s or more past a "
+                                     "prompt's due time", labels=labels)
+        stalled = CounterMetricFamily("tailguard_node_stalled_seconds",
+                                      "Silence of the node's stalls past their prompts' due "
+                                      "times", labels=labels)
         fleet = self.fleet
         now = time.monotonic()
         nodes = list(fleet.balancer.nodes.values())
         for node in nodes:
             lv = [node.id, node.spec.gpu_class]
             in_flight.add_metric(lv, node.in_flight)
+            stalls.add_metric(lv, node.stalls)
+            stalled.add_metric(lv, node.stalled_s)
             slots.add_metric(lv, node.slots)
             limit.add_metric(lv, node_limit(node))
             slowness.add_metric(lv, node_slowness(node, fleet.balancer))
@@ -318,7 +326,7 @@ class FleetCollector:
                 if mon.sample.kv_usage >= 0:
                     kv.add_metric(lv, mon.sample.kv_usage)
         return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, up, running,
-                waiting, kv, age, stale, limit, slowness, *self._classes(nodes),
+                waiting, kv, age, stale, limit, slowness, stalls, stalled, *self._classes(nodes),
                 *self._pools(), *self._shared(nodes)]
 
     def _shared(self, nodes: list[Any]) -> list[Metric]:

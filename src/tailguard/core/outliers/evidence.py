@@ -191,6 +191,7 @@ class NodeHealth:
         "reason",
         "requests",
         "slowness",
+        "stalled",
         "state_seconds",
         "state_since",
         "window",
@@ -206,6 +207,10 @@ class NodeHealth:
         self.reason = ""  # why the node is in its state (the last transition's reason)
         # (requests, failures) of the last failure_window intervals, current excluded.
         self.window: deque[tuple[int, int]] = deque()
+        # The node's stalls so far (Node.stalls, Node.stalled_s) when the record
+        # began and at the close of each interval since, the last failure_window
+        # of them: the first is where the window of its recent stalls begins.
+        self.stalled: deque[tuple[int, float]] = deque()
         self.consecutive_failures = 0
         self.flagged_streak = 0
         self.clean_streak = 0

@@ -54,6 +54,7 @@ class SampleIntake:
         self._allowance = 0.75 * math.log(self.config.slow_ratio)
         self._window_t = -math.inf  # when the decode window last closed (_flush_decode)
         self._windows = 0  # decode windows closed so far
+        self.stall_samples = 0  # decode samples left out: they timed a stall (on_decode)
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
@@ -62,6 +63,7 @@ class SampleIntake:
         if h is None:
             h = self.health[node.id] = NodeHealth(now, self.config)
             h.known_state = node.state
+            h.stalled.append((node.stalls, node.stalled_s))
             self._classes_for = -1
         return h
 
@@ -119,6 +121,11 @@ class SampleIntake:
         """
         h = self.health.get(node.id)
         if h is None or tpot <= 0.0 or expected <= 0.0:
+            return
+        if since is not None and now is not None and node.spans_stall(since, now):
+            # It timed a stall (Node.spans_stall), which the router dodges as it
+            # happens: the node's speed is what it does between stalls.
+            self.stall_samples += 1
             return
         b = decode_bucket(batch)
         if now is None or self.config.segment_s <= 0.0:
