@@ -473,7 +473,8 @@ class Node:
         """
         if since < self.stall_to and now > self.stall_from:
             return True
-        return self.overdue_s(now) >= STALL_S
+        # overdue_at is never later than the silence's start: most calls end here.
+        return now - self.overdue_at >= STALL_S and self.overdue_s(now) >= STALL_S
 
     def _trim(self) -> deque[Awaited]:
         """Drop the requests at the front that are no longer waiting."""
