@@ -158,6 +158,23 @@ def test_very_slow_node_quarantined_after_degraded() -> None:
     assert rig.det.detected_ejections == rig.det.enforced_ejections == 1
 
 
+def test_stalls_do_not_lower_what_the_samples_agree_on() -> None:
+    """A node 4x slow that also stalls now and then (silent 1.5 s in each 5) is
+    still quarantined: its stalls (4.5 s silent in 30) read 1.18x, which must not
+    become the floor that quarantine waits for."""
+    rig = Rig(["A100"] * 4)
+    slow = rig.nodes["A100-80GB#2"]
+    for i in range(3):  # its stalls, as the router saw them end
+        t = 0.5 + 5.0 * i
+        owed = Waiting(due=t)
+        slow.awaits(owed)
+        owed.t_first = t + 1.5
+        slow.progressed(t + 1.5)
+    assert slow.stalls == 3
+    rig.run(15, {"A100-80GB#2": 4.0})
+    assert [s for _, _, s in rig.events] == ["degraded", "quarantined"]
+
+
 def test_backoff_probation_ramp_and_recovery() -> None:
     rig = Rig(["A100"] * 4)
     rig.run(15, {"A100-80GB#1": 4.0})

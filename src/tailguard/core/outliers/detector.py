@@ -178,24 +178,18 @@ class OutlierDetector(SampleIntake):
 
     def verdicts(self, nodes: Mapping[str, Node]) -> dict[str, Verdict]:
         """Slowness of every node with new evidence in the current interval, and its flag.
-
-        The evidence: prefill and decode samples, and stalls (which give a
-        verdict alone only when flagged: a node the router stopped using is
-        made healthy only by clean samples).
-        """
+        Stalls may set the slowness and the flag, not the floor (what the samples agree
+        on), and alone only when flagged (only clean samples make a node healthy)."""
         out: dict[str, Verdict] = {}
         for node in nodes.values():
             h = self.health.get(node.id)
             if h is None:
                 continue
-            kinds = [self._flag(name, ev) for name, ev in (("prefill", h.prefill),
-                                                           ("decode", h.decode))
-                     if ev.n]  # no new sample: no verdict
-            stalls = self._stalls(node, h)
-            if stalls is not None and (kinds or stalls[1]):
-                kinds.append(stalls)
             best: Verdict | None = None
-            for s, flagged, why in kinds:
+            for name, ev in (("prefill", h.prefill), ("decode", h.decode)):
+                if ev.n == 0:  # no new sample: no verdict
+                    continue
+                s, flagged, why = self._flag(name, ev)
                 if best is None:
                     best = Verdict(s, flagged, why, s)
                 else:
@@ -204,6 +198,10 @@ class OutlierDetector(SampleIntake):
                         best = Verdict(s, flagged, why, floor)
                     else:
                         best = Verdict(best.slowness, best.flagged, best.why, floor)
+            stalls = self._stalls(node, h)
+            if stalls is not None and (stalls[1], stalls[0]) > (
+                    (best.flagged, best.slowness) if best is not None else (False, math.inf)):
+                best = Verdict(*stalls, best.floor if best is not None else stalls[0])
             if best is not None:
                 out[node.id] = best
         return out
