@@ -166,7 +166,7 @@ def test_stalls_do_not_lower_what_the_samples_agree_on() -> None:
     slow = rig.nodes["A100-80GB#2"]
     for i in range(3):  # its stalls, as the router saw them end
         t = 0.5 + 5.0 * i
-        owed = Waiting(due=t)
+        owed = Waiting(due=t, t_dispatch=t - 0.1)
         slow.awaits(owed)
         owed.t_first = t + 1.5
         slow.progressed(t + 1.5)
@@ -430,6 +430,7 @@ class Waiting:
     """A prompt a node owes its first token (what Node.overdue_s reads)."""
 
     due: float
+    t_dispatch: float
     t_first: float = -1.0
     released: bool = False
     presumed: bool = False
@@ -438,9 +439,11 @@ class Waiting:
 def test_a_stall_is_a_silence_past_a_due_prompt() -> None:
     """Node.spans_stall: a silence of STALL_S or more past a due prompt is a stall,
     while it lasts and once an answer ends it; work timed across it times the
-    stall. A shorter silence is a slow answer, the learner's to price."""
+    stall. A shorter silence is a slow answer, the learner's to price, and so is
+    one shorter than twice the prompt's allowance (due less dispatch): a node 3x
+    slow is late by 1.5 allowances."""
     node = make_nodes(["A100"])["A100-80GB#0"]
-    late = Waiting(due=1.0)
+    late = Waiting(due=1.0, t_dispatch=0.9)
     node.awaits(late)
     assert not node.spans_stall(0.5, 1.5)  # 0.5 s past due: not (yet) a stall
     assert node.spans_stall(0.5, 2.5)  # 1.5 s: a stall under way
@@ -450,11 +453,25 @@ def test_a_stall_is_a_silence_past_a_due_prompt() -> None:
     assert node.spans_stall(0.5, 3.5)  # began before it, ended after
     assert node.spans_stall(2.0, 3.2)  # begun inside it (a piece read on a clock)
     assert not node.spans_stall(3.0, 4.0)  # after it
-    brief = Waiting(due=5.0)
+    brief = Waiting(due=5.0, t_dispatch=4.9)
     node.awaits(brief)
     brief.t_first = 5.5
     node.progressed(5.5)  # 0.5 s late: slow, not stalled
     assert (node.stalls, node.stall_to) == (1, 3.0)
+    # A prompt allowed 1 s (expected at 0.5 s): 1.5 s past its due at 3x slow is
+    # slow; 2.5 s past it (6.5x), stalled.
+    slow = Waiting(due=11.0, t_dispatch=10.0)
+    node.awaits(slow)
+    assert not node.spans_stall(10.5, 12.5)
+    slow.t_first = 12.5
+    node.progressed(12.5)
+    assert node.stalls == 1
+    stuck = Waiting(due=21.0, t_dispatch=20.0)
+    node.awaits(stuck)
+    assert node.spans_stall(20.5, 23.5)
+    stuck.t_first = 23.5
+    node.progressed(23.5)
+    assert (node.stalls, node.stall_from, node.stall_to) == (2, 21.0, 23.5)
 
 
 def test_stalls_are_not_slowness_but_many_are_flagged() -> None:
@@ -467,14 +484,14 @@ def test_stalls_are_not_slowness_but_many_are_flagged() -> None:
     def run(pause: int, stalls: bool) -> tuple[Rig, Node, float]:
         rig = Rig(["A100"] * 3)
         odd = rig.nodes["A100-80GB#2"]
-        owed = Waiting(math.inf)
+        owed = Waiting(math.inf, 0.0)
         most = 0.0  # the most decode evidence against it
         for second in range(120):
             phase = second % 10
             for node in rig.nodes.values():
                 if node is odd and second >= 20 and phase <= pause:
                     if phase == 0 and stalls:
-                        owed = Waiting(due=rig.now + 0.1)
+                        owed = Waiting(due=rig.now + 0.1, t_dispatch=rig.now)
                         node.awaits(owed)
                     if phase < pause:
                         continue  # silent

@@ -48,9 +48,14 @@ OVERDUE_FACTOR = 2.0
 # expected TTFT. Without an end, a node left silent would never be sent another
 # request, and never seen to recover (the outlier detector, not this, ejects).
 OWED_S = 1.0
-# A silence past a due prompt this long is a stall (Node.spans_stall): longer than
-# the gaps between a slow node's answers under load, and long enough that a piece
-# of decode timed across it reads several times slow.
+# A silence past a due prompt is a stall (Node.spans_stall) once it lasts this long
+# (long enough that a piece of decode timed across it reads several times slow)
+# and OVERDUE_FACTOR times the prompt's whole allowance (its due time less its
+# dispatch): a node 3x slow answers a prompt at 3x its expected TTFT, 1.5x its
+# allowance, so only one silent past 6x is taken for stalled. With the second
+# bound left out, a llama.cpp server on a CPU at a third of its speed (its
+# expected TTFTs near a second) had its slowest answers taken for stalls, and
+# their decode left out of the evidence that would catch it.
 STALL_S = 1.0
 
 
@@ -59,6 +64,8 @@ class Awaited(Protocol):
 
     @property
     def due(self) -> float: ...
+    @property
+    def t_dispatch(self) -> float: ...
     @property
     def t_first(self) -> float: ...
     @property
@@ -474,7 +481,19 @@ class Node:
         if since < self.stall_to and now > self.stall_from:
             return True
         # overdue_at is never later than the silence's start: most calls end here.
-        return now - self.overdue_at >= STALL_S and self.overdue_s(now) >= STALL_S
+        if now - self.overdue_at < STALL_S:
+            return False
+        silent = self.overdue_s(now)
+        return silent >= STALL_S and silent >= self._stall_limit()
+
+    def _stall_limit(self) -> float:
+        """How long a silence past the oldest waiting prompt's due time makes a stall
+        (STALL_S): at least twice that prompt's allowance (its due less its dispatch)."""
+        q = self.awaited
+        if not q:  # a debt (Node.owed_due) alone: the absolute bound
+            return STALL_S
+        w = OVERDUE_FACTOR * (q[0].due - q[0].t_dispatch)
+        return w if w > STALL_S else STALL_S
 
     def _trim(self) -> deque[Awaited]:
         """Drop the requests at the front that are no longer waiting."""
@@ -495,7 +514,7 @@ class Node:
         if q:  # the front may be the request answering now: its due counts
             due = q[0].due
             since = due if due > self.progress_t else self.progress_t
-            if now - since >= STALL_S:
+            if now - since >= STALL_S and now - since >= self._stall_limit():
                 self.stall_from, self.stall_to = since, now
                 self.stalls += 1
                 self.stalled_s += now - since
