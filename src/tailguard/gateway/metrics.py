@@ -287,8 +287,8 @@ class FleetCollector:
         slowness = gauge("tailguard_node_slowness_ratio",
                          "How slow the node is for its own hardware (1 = like its GPU class)")
         stalls = CounterMetricFamily("tailguard_node_stalls",
-                                     "Stalls seen to end: silences of 1 s or more past a "
-                                     "prompt's due time", labels=labels)
+                                     "Stalls seen to end: silences past a prompt's due time "
+                                     "of 1 s and twice its allowance or more", labels=labels)
         stalled = CounterMetricFamily("tailguard_node_stalled_seconds",
                                       "Silence of the node's stalls past their prompts' due "
                                       "times", labels=labels)
