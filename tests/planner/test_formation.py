@@ -21,6 +21,7 @@ from tailguard.planner.formation import (
     plan_formation,
 )
 from tailguard.planner.inventory import exclude, parse_inventory
+from tailguard.planner.inventory_cli import engine_flags
 from tailguard.planner.naive import one_per_gpu, tp_across_types
 from tailguard.planner.verify import base_scenario
 
@@ -105,15 +106,40 @@ def test_tp_stays_inside_one_host_and_one_type() -> None:
             assert r.rated.shape.stages[0].gpu == host.gpu
             assert r.rated.shape.stages[0].tp <= host.count
     # No 1-GPU H100 host holds 70B, so the H100s form a pipeline, one stage a host.
-    (pipe,) = [r for r in plan.replicas if r.rated.shape.pipelined]
-    assert pipe.rated.shape.name == "H100-SXM-PP2"
-    assert len(set(pipe.hosts)) == 2 and set(pipe.hosts) <= {"h0", "h1", "h2"}
+    (pipe,) = [r for r in plan.replicas if r.rated.shape.stages[0].gpu.name == "H100-SXM"]
+    stages = len(pipe.rated.shape.stages)
+    assert stages >= 2 and pipe.rated.shape.name == f"H100-SXM-PP{stages}"
+    assert len(set(pipe.hosts)) == stages and set(pipe.hosts) <= {"h0", "h1", "h2"}
     used: dict[str, int] = {}
     for r in plan.replicas:
         for host, st, dev in zip(r.hosts, r.rated.shape.stages, r.devices, strict=True):
             used[host] = used.get(host, 0) + st.tp
             assert len(dev) == st.tp
     assert all(used.get(h.name, 0) + plan.unused.get(h.name, 0) == h.count for h in inv.hosts)
+
+
+def test_pipelines_of_one_type_are_weighed_where_tp_fits() -> None:
+    # 70B on H200s: TP-2 fits, but without NVLink its all-reduces go over PCIe
+    # for every prompt token, while two TP-1 stages send activations once.
+    found = {}
+    for link in ("pcie", "nvlink"):
+        inv = parse_inventory({"hosts": [{"name": "x", "gpu": "H200", "count": 4, "link": link}]})
+        plan = plan_formation(inv, rater("llama-3.1-70b"))
+        by_name = {r.shape.name.replace("@pcie", ""): r for r in plan.rated}
+        assert {"2xH200", "H200-PP2", "H200-PP4"} <= set(by_name)
+        found[link] = by_name
+        if link == "pcie":
+            assert by_name["H200-PP2"].ratio > 1.5 * by_name["2xH200"].ratio
+            assert plan.replicas and all(r.rated.shape.pipelined for r in plan.replicas)
+            assert sum(r.rated.shape.gpus for r in plan.replicas) == 4
+            # One host: a single vLLM process over every stage's GPUs.
+            flags = [engine_flags(r, "llama-3.1-70b") for r in plan.replicas]
+            visible = sorted(f.split()[0] for f in flags)
+            assert visible[0].startswith("CUDA_VISIBLE_DEVICES=0,1"), flags
+            assert all("--pipeline-parallel-size" in f for f in flags)
+    # The link decides TP's rating, not the pipeline's (stages send over the network).
+    assert found["nvlink"]["2xH200"].ratio > 1.5 * found["pcie"]["2xH200"].ratio
+    assert found["nvlink"]["H200-PP2"].ratio == found["pcie"]["H200-PP2"].ratio
 
 
 def test_pipelines_split_layers_by_speed_across_types() -> None:

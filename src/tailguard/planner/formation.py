@@ -20,9 +20,10 @@ carried 11% more).
 Formation, greedy by SLO goodput per dollar (capacity / $ per hour):
 
 1. **Homogeneous shapes.** For every GPU type of the inventory (a host's link
-   makes its own type), TP 1, 2, 4 and 8 within one host; a type on which the
-   model fits no host alone is pipelined over its hosts instead (the fewest
-   stages that fit). Shapes are taken best ratio first, each as often as the
+   makes its own type), TP 1, 2, 4 and 8 within one host, and pipelines of 2
+   to MAX_PP stages of one TP degree on the type's GPUs (one host or several:
+   the only shapes where the model fits no host alone, and better than TP
+   where a host has no NVLink). Shapes are taken best ratio first, each as often as the
    hosts' free GPUs (best fit) and the objective allow. Within one type this
    is the most goodput per GPU; across types the most goodput per dollar.
    The objective says where to stop:
@@ -70,6 +71,9 @@ TP_DEGREES = (1, 2, 4, 8)
 # capacities are bisected to 1% and move a few % between probe workloads.
 RATIO_TOLERANCE = 0.05
 MAX_PP = 4
+# A one-type pipeline is rated at this share of its type's best roofline goodput
+# per dollar (the roofline ranks one type's shapes well, not types).
+PP_ROUGH_SHARE = 0.7
 # Cross-type pipelines the simulator rates per round, the roofline's best first.
 MIXED_RATED = 4
 # Shapes are rated in pools of this many GPUs (at least one replica).
@@ -245,8 +249,12 @@ class _Free:
 
 
 def homogeneous_shapes(inv: Inventory, rater: Rater) -> list[Shape]:
-    """TP within one host for every GPU type; a pipeline of the type's hosts where
-    the model fits no host of the type alone."""
+    """Every TP x PP degree of each GPU type (TP within one host, stages of one TP
+    degree on the type's GPUs), pipelines also where TP fits: without NVLink a
+    TP group all-reduces each layer's activations over PCIe for every prompt
+    token (70B on PCIe H200s at a 50 ms TPOT: TP-2 2.1 req/s, two TP-1 stages
+    3.8). Pipelines under PP_ROUGH_SHARE of the type's best by the roofline
+    are not rated (planning time)."""
     biggest: dict[GPU, int] = {}  # the largest host of each type, and all its GPUs
     total: dict[GPU, int] = {}
     for h in inv.hosts:
@@ -254,20 +262,13 @@ def homogeneous_shapes(inv: Inventory, rater: Rater) -> list[Shape]:
         total[h.gpu] = total.get(h.gpu, 0) + h.count
     shapes: list[Shape] = []
     for gpu, most in biggest.items():
-        singles = [single(gpu, d) for d in TP_DEGREES if d <= most]
-        fitting = [s for s in singles if rater.perf(s) is not None]
-        if fitting:
-            shapes += fitting
-            continue
-        for d in (d for d in TP_DEGREES if d <= most):
-            for pp in range(2, MAX_PP + 1):
-                if d * pp > total[gpu]:
-                    break
-                s = Shape((StageSpec(gpu, d),) * pp, gpu.price_per_hour * d * pp,
-                          inv.network_gbps)
-                if rater.perf(s) is not None:
-                    shapes.append(s)
-                    break
+        singles = [s for d in TP_DEGREES if d <= most if rater.perf(s := single(gpu, d))]
+        pipes = [Shape((StageSpec(gpu, d),) * pp, gpu.price_per_hour * d * pp, inv.network_gbps)
+                 for d in TP_DEGREES if d <= most
+                 for pp in range(2, MAX_PP + 1) if d * pp <= total[gpu]]
+        rough = {s: rater.rough_rps(s) / s.cost_per_hour for s in singles + pipes}
+        best = max(rough.values(), default=0.0)
+        shapes += singles + [s for s in pipes if rough[s] > 0 and rough[s] >= PP_ROUGH_SHARE * best]
     return shapes
 
 
@@ -342,7 +343,8 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
                  float("inf") if demand is None else demand)
     free = _Free(inv.hosts)
     replicas: list[Replica] = []
-    rated = [r for s in homogeneous_shapes(inv, rater) if (r := rater.rate(s)) is not None]
+    rated = _earned([r for s in homogeneous_shapes(inv, rater)
+                     if (r := rater.rate(s)) is not None])
     buy: frozenset[Shape] = frozenset()
     if budget is not None:  # GPUs cost alike owned or bought: the best ratio takes the budget
         rated += _buyable(inv, rater)
@@ -370,6 +372,18 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
                             for r in rated if r.shape.stages[0].gpu.name not in useful}))
     unused = {h: n for h, n in free.free.items() if n > 0}
     return Formation("planned", tuple(replicas), unused, skipped, tuple(rated))
+
+
+def _earned(rated: Sequence[Rated]) -> list[Rated]:
+    """``rated`` less pipelines within RATIO_TOLERANCE of their type's best TP group
+    (alike as measured, and a stage more is a process and a link more to fail)."""
+    best: dict[GPU, float] = {}
+    for r in rated:
+        if not r.shape.pipelined and r.capacity_rps > 0:
+            gpu = r.shape.stages[0].gpu
+            best[gpu] = max(best.get(gpu, 0.0), r.ratio)
+    return [r for r in rated if not r.shape.pipelined
+            or r.ratio > best.get(r.shape.stages[0].gpu, 0.0) * (1.0 + RATIO_TOLERANCE)]
 
 
 def _buyable(inv: Inventory, rater: Rater) -> list[Rated]:

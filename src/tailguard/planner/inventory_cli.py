@@ -135,8 +135,8 @@ def engine_flags(r: Replica, model: str) -> str:
     st = shape.stages
     flags = (f"vllm serve {model} --tensor-parallel-size {st[0].tp}")
     env = ""
-    if len(r.devices) == 1 and len(r.hosts) == 1 and not r.added:
-        env = f"CUDA_VISIBLE_DEVICES={','.join(str(i) for i in r.devices[0])} "
+    if r.devices and len(set(r.hosts)) == 1 and not r.added:  # one host: every stage's GPUs
+        env = f"CUDA_VISIBLE_DEVICES={','.join(str(i) for d in r.devices for i in d)} "
     if shape.pipelined:
         layers = getattr(r.rated.perf, "layers", ())
         flags += f" --pipeline-parallel-size {len(st)}"
