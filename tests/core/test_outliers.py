@@ -474,6 +474,45 @@ def test_a_stall_is_a_silence_past_a_due_prompt() -> None:
     assert (node.stalls, node.stall_from, node.stall_to) == (2, 21.0, 23.5)
 
 
+def test_a_stall_whose_prompts_were_hedged_away_is_still_a_stall() -> None:
+    """A hedge's loser, cancelled past its due while the node's streams are
+    frozen, leaves a debt: the answer that ends the silence records the stall
+    (with hedging on, stalls case 3 of benchmarks/stragglers.py had the stalling
+    A100 degraded 6 times for 'slow decode', its pieces across the pauses). A
+    node idle meanwhile owed nothing: no stall from an idle gap."""
+    node = make_nodes(["A100"])["A100-80GB#0"]
+
+    def cancelled(due: float, allowance: float, at: float) -> None:
+        w = Waiting(due=due, t_dispatch=due - allowance)
+        node.awaits(w)
+        w.released = True
+        node.left_unanswered(w.due, at, allowance)
+
+    def answered(due: float, at: float) -> None:
+        w = Waiting(due=due, t_dispatch=due - 0.2)
+        node.awaits(w)
+        w.t_first = at
+        node.progressed(at)
+
+    node.decoding = 2  # streams in flight, frozen by the pause
+    cancelled(1.0, 0.1, at=1.3)  # the hedge won
+    node.progressed(3.0)  # a stream finishes: the pause is over
+    assert (node.stall_from, node.stall_to, node.stalls) == (1.0, 3.0, 1)
+    assert node.spans_stall(0.5, 3.5)
+    cancelled(11.0, 1.0, at=11.2)  # the allowance rule holds for a debt too:
+    node.progressed(12.5)  # 1.5 allowances late is slow
+    assert node.stalls == 1
+    node.decoding = 0  # cancelled with nothing else in flight, then idle
+    cancelled(21.0, 0.1, at=21.5)
+    answered(30.2, at=30.1)
+    assert node.stalls == 1
+    node.decoding = 1  # in flight when cancelled, idle before the next request
+    cancelled(41.0, 0.1, at=41.5)
+    node.decoding = 0  # the stream ended (a failure: no progress)
+    answered(50.2, at=50.1)
+    assert node.stalls == 1
+
+
 def test_stalls_are_not_slowness_but_many_are_flagged() -> None:
     """A node as fast as its peers that stalls 2 s in every 10 (the router dodges
     each stall as it happens) gives no evidence of slowness: the decode pieces

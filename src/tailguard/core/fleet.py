@@ -6,8 +6,8 @@ hardware (and so its roofline prior), its live load as the gateway counts it
 its ``/metrics`` (running, waiting, KV use), and the latency it has shown
 lately. Both drivers update it only through :class:`tailguard.core.balancer.Balancer`.
 
-Size (about 470 lines, over the ~400 guide): ``Node`` is the one object the
-core's estimators share; its ``__init__`` (about 90 lines, over the ~80
+Size (about 550 lines, over the ~400 guide): ``Node`` is the one object the
+core's estimators share; its ``__init__`` (about 100 lines, over the ~80
 guide) sets every slotted field with its meaning in one place, and splitting
 it would hide which fields a node has.
 """
@@ -203,6 +203,8 @@ class Node:
         "capacity",
         "class_decode_slowdown",
         "class_prefill_slowdown",
+        "debt_due",
+        "debt_limit",
         "decode_excess",
         "decode_memo",
         "decoding",
@@ -317,6 +319,11 @@ class Node:
         self.stall_from = self.stall_to = -math.inf
         self.stalls = 0  # stalls seen to end, and their silence in all (the detector's)
         self.stalled_s = 0.0
+        # The earliest due of a prompt that left unanswered while others were in
+        # flight, and the silence past it that makes a stall, until the next
+        # answer: a stall whose waiting prompts were all hedged away is a stall.
+        self.debt_due = math.inf
+        self.debt_limit = STALL_S
         # The earliest time overdue_s can be above 0, as it last found (-inf: look
         # again; set so whenever the front of ``awaited`` may have changed), so a
         # policy calls it only when it can matter.
@@ -506,29 +513,38 @@ class Node:
         """A request dispatched here waits for its first token (Node.overdue_s)."""
         if not self.awaited:
             self.overdue_at = -math.inf
+            if self.decoding <= 0 and self.prefilling <= 0:
+                self.debt_due = math.inf  # idle since: it owed nothing meanwhile
         self.awaited.append(req)
 
     def progressed(self, now: float) -> None:
         """A first token or a good finish: the node is answering (Node.overdue_s)."""
         q = self.awaited
-        if q:  # the front may be the request answering now: its due counts
-            due = q[0].due
-            since = due if due > self.progress_t else self.progress_t
-            if now - since >= STALL_S and now - since >= self._stall_limit():
-                self.stall_from, self.stall_to = since, now
-                self.stalls += 1
-                self.stalled_s += now - since
+        due, limit = self.debt_due, self.debt_limit
+        if q and q[0].due <= due:  # the front may be the one answering now: its due counts
+            due, limit = q[0].due, self._stall_limit()
+        since = due if due > self.progress_t else self.progress_t
+        if now - since >= STALL_S and now - since >= limit:
+            self.stall_from, self.stall_to = since, now
+            self.stalls += 1
+            self.stalled_s += now - since
+        self.debt_due = math.inf
         self.progress_t = now
         self.owed_due = math.inf
         self.overdue_at = -math.inf
         self._trim()  # bounded by what is in flight, whether or not a policy reads it
 
-    def left_unanswered(self, due: float, now: float) -> None:
+    def left_unanswered(self, due: float, now: float, allowance: float = 0.0) -> None:
         """A request was cancelled before its first token at ``now`` (``due``: its
-        due time), or (``due`` inf) failed or was taken as prefilled without one."""
+        due time, ``allowance``: due less dispatch), or (``due`` inf) failed or was
+        taken as prefilled without one."""
         if due < now and due < self.owed_due:
             self.owed_due = due
             self.owed_until = now + OWED_S
+        if due < now and due < self.debt_due and (self.decoding > 0 or self.prefilling > 0):
+            self.debt_due = due
+            w = OVERDUE_FACTOR * allowance
+            self.debt_limit = w if w > STALL_S else STALL_S
         self.overdue_at = -math.inf
         self._trim()
 

@@ -141,7 +141,7 @@ def finish(b: Balancer, ticket: Ticket, now: float, outcome: Outcome, output_tok
             node.withdraw_work(ticket.work)
             node.end_work(ticket.work, ticket.accrual, now, computed=False)
             node.left_unanswered(ticket.due if outcome is Outcome.CLIENT_CANCELLED
-                                 else math.inf, now)
+                                 else math.inf, now, ticket.due - ticket.t_dispatch)
     else:
         node.decoding -= 1
     if b.outliers is not None and (judged or not outcome.is_node_failure):
