@@ -301,6 +301,63 @@ def test_a_stream_reset_mid_answer_releases_the_permit() -> None:
     run(body_)
 
 
+def observer_msg(msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    msg.observability_mode = True
+    return msg
+
+
+def test_an_observer_after_the_picker_settles_what_the_picker_routed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/envoy/'s shape: the observer filter comes after the picker's, so its
+    stream opens once the request is routed, and Envoy may reset the picker's
+    stream first. The request stays open for the observer; without one it is
+    released after ORPHAN_S, as a client that left."""
+    import tailguard.epp.request as request_mod
+
+    monkeypatch.setattr(request_mod, "ORPHAN_S", 0.5)
+
+    def picker_headers(rid: str) -> pb.ProcessingRequest:
+        msg = request_headers(extra={"x-request-id": rid})
+        msg.protocol_config.response_body_mode = 0  # NONE: the response goes elsewhere
+        return msg
+
+    async def body_() -> None:
+        async with emulated(["A100", "A100"]) as (_, cfg), picker(cfg) as epp, \
+                channel(epp) as ch:
+            s = ExtProcStream(ch)
+            await s.send(picker_headers("r1"), body(CHAT))
+            header, _ = destination(await s.recv())
+            await s.recv()
+            # Envoy is done with the picker's stream. (gRPC may hand the picker this
+            # cancel as the end of its messages; Envoy's own resets, which reach it as a
+            # cancellation, are in test_envoy.py's counts.)
+            s.cancel()
+            await wait_for(lambda: epp.picker.streams == 0, what="picker stream closed")
+            assert sum(in_flight(epp).values()) == 1
+            obs = ExtProcStream(ch)
+            await obs.send(observer_msg(request_headers(extra={"x-request-id": "r1"})),
+                           observer_msg(response_headers(200, (header or "").split(",")[0])),
+                           *(observer_msg(response_body(c)) for c in sse(3)),
+                           observer_msg(response_body(b"", end=True)))
+            await obs.close()
+            await wait_for(lambda: sum(in_flight(epp).values()) == 0, what="settled")
+            assert requests_total(epp, MODEL, "200") == 1
+            # Routed, and no observer ever comes: released, as a client that left.
+            s2 = ExtProcStream(ch)
+            await s2.send(picker_headers("r2"), body(CHAT))
+            await s2.recv()
+            await s2.recv()
+            s2.cancel()
+            await wait_for(lambda: epp.picker.streams == 0, what="picker stream closed")
+            assert sum(in_flight(epp).values()) == 1
+            await wait_for(lambda: sum(in_flight(epp).values()) == 0, timeout=3,
+                           what="orphan released")
+            assert requests_total(epp, MODEL, "499") == 1
+            assert epp.gateway.fleet.balancer.double_release == 0
+
+    run(body_)
+
+
 class Traced(Exchange):
     seen: ClassVar[list[Any]] = []
 

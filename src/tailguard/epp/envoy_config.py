@@ -8,11 +8,11 @@ with the explanation. Two shapes:
   (the baseline the endpoint picker must beat);
 * ``picker="host:port"``: the ``ext_proc`` HTTP filter calls tailguard for
   every request (request headers and a full-duplex streamed body). With
-  ``observer`` (the default) a second ``ext_proc`` filter in observability
-  mode sends tailguard the request headers and the response (headers and a
-  streamed body) without waiting for replies, so the response reaches the
-  client at Envoy's own pace; without it the picker's filter takes the
-  response too (each message waits for its reply). The cluster
+  ``observer`` (the default) a second ``ext_proc`` filter after it, in
+  observability mode, sends tailguard the routed request's headers and the
+  response (headers and a streamed body) without waiting for replies, so the
+  response reaches the client at Envoy's own pace; without it the picker's
+  filter takes the response too (each message waits for its reply). The cluster
   routes with the ``override_host`` load-balancing policy, which reads the
   picker's ``x-gateway-destination-endpoint`` (dynamic metadata
   ``envoy.lb``, or the header) and, on each retry, takes the next endpoint
@@ -117,20 +117,13 @@ def _epp_cluster(picker: str) -> dict[str, Any]:
 
 def _ext_proc_filters(observer: bool, failure_mode_allow: bool,
                       message_timeout_s: float) -> list[dict[str, Any]]:
-    """The picker's filter, after the observer's where there is one."""
+    """The picker's filter, then the observer's where there is one."""
     filters: list[dict[str, Any]] = []
     grpc_service = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"}
     response = {"response_header_mode": "SEND", "response_body_mode": "STREAMED",
                 "response_trailer_mode": "SKIP"}
     skip = {"response_header_mode": "SKIP", "response_body_mode": "NONE",
             "response_trailer_mode": "SKIP"}
-    if observer:
-        # The response in observability mode: Envoy sends it without waiting.
-        filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
-            "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
-            "failure_mode_allow": True, "deferred_close_timeout": "1s",
-            "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
-                                "request_trailer_mode": "SKIP", **response}}})
     filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
         "@type": EXT_PROC,
         "grpc_service": grpc_service,
@@ -147,6 +140,15 @@ def _ext_proc_filters(observer: bool, failure_mode_allow: bool,
             "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
             "receiving_namespaces": {"untyped": ["envoy.lb"]}},
     }})
+    if observer:
+        # The response in observability mode: Envoy sends it without waiting. After
+        # the picker, so that its stream opens once the request is routed, off the
+        # routing's path (before it, the picker process took its headers first).
+        filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
+            "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
+            "failure_mode_allow": True, "deferred_close_timeout": "1s",
+            "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                                "request_trailer_mode": "SKIP", **response}}})
     return filters
 
 

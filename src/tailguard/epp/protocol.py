@@ -20,6 +20,7 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 OBJECTIVES = {"critical": 0, "high": 0, "standard": 1, "normal": 1, "sheddable": 2, "low": 2}
 
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 CONTINUE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 

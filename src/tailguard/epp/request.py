@@ -33,6 +33,7 @@ from tailguard.epp.protocol import (
     DESTINATION,
     DUPLEX,
     LB_NAMESPACE,
+    NO_BODY,
     OBJECTIVE,
     SUBSET,
     SUBSET_NAMESPACE,
@@ -78,6 +79,9 @@ class PickedRequest(ResponseSide):
         self.t0 = time.monotonic()
         self.headers: dict[str, str] = {}
         self.duplex = False  # body streamed both ways: the headers reply waits for its end
+        # The picker's stream does not carry the response: an observer's will (or, where
+        # Envoy did not say, a clean close of the picker's stream says so).
+        self.observed_elsewhere: bool | None = None
         self.body = bytearray()
         self.ex: Exchange | None = None
         self.copy: Copy | None = None  # the copy the data plane is running
@@ -111,8 +115,9 @@ class PickedRequest(ResponseSide):
     def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.headers = read_headers(msg.request_headers)
         self.subset = metadata(msg, SUBSET_NAMESPACE, SUBSET)  # it comes with the headers
-        self.duplex = (msg.HasField("protocol_config")
-                       and msg.protocol_config.request_body_mode == DUPLEX)
+        if msg.HasField("protocol_config"):
+            self.duplex = msg.protocol_config.request_body_mode == DUPLEX
+            self.observed_elsewhere = msg.protocol_config.response_body_mode == NO_BODY
         if msg.request_headers.end_of_stream:
             return [self._bodyless()]
         return [] if self.duplex else [CONTINUE_HEADERS]
@@ -202,13 +207,12 @@ class PickedRequest(ResponseSide):
         assert ex is not None
         fleet = self.picker.fleet
         self.copy = copy
-        nodes = fleet.nodes
-        primary = nodes[copy.node_id]
-        self.endpoints = [primary.endpoint] + [nodes[n].endpoint
-                                              for n in ex.fallbacks(time.monotonic())]
+        addresses = fleet.addresses()
+        self.endpoints = [addresses[copy.node_id]] + [addresses[n] for n in
+                                                      ex.fallbacks(time.monotonic())]
         value = ",".join(self.endpoints)
         set_headers = [header(DESTINATION, value)]
-        key = primary.upstream_api_key()
+        key = fleet.nodes[copy.node_id].upstream_api_key()
         if key:
             set_headers.append(header("authorization", f"Bearer {key}"))
         routing = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
@@ -258,16 +262,19 @@ class PickedRequest(ResponseSide):
         The observer's stream ends with the HTTP request: it settles everything.
         While an observer is joined, the picker stream's end means nothing
         (Envoy closes it, or resets it, once the request is routed). Without
-        one, a picker stream's end is the request's when it was reset, or when
-        it saw the response; a clean close after routing waits a moment for an
-        observer to join (one configured joins at the request's start)."""
+        one, a picker stream's end is the request's when it came before the
+        routing, or when it saw the response. Once routed, with the response
+        going to an observer (the picker's filter takes no response body, or,
+        where Envoy did not say, the stream closed cleanly), it waits a moment
+        for the observer to join: Envoy opens that stream as the routing reply
+        reaches it, so the two may arrive in either order, reset or not."""
         if observer:
             self.observer_done = True
             self.close()
         elif self.observed and not self.observer_done:
             return
-        elif not ended or self.answered or self.ex is None or self.rid is None \
-                or self.observer_done:
+        elif self.copy is None or self.answered or self.rid is None or self.observer_done \
+                or not (ended if self.observed_elsewhere is None else self.observed_elsewhere):
             self.close()
         else:
             asyncio.get_running_loop().call_later(ORPHAN_S, self._orphan)

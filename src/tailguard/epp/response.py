@@ -80,7 +80,7 @@ class ResponseSide:
         where = served[0] if served else h.get(SERVED, "")
         if not where and h.get(NODE_HEADER) in self.picker.fleet.nodes:
             # Envoy named the node itself (from the endpoint's metadata, deploy/envoy/)
-            where = self.picker.fleet.nodes[h[NODE_HEADER]].endpoint
+            where = self.picker.fleet.addresses()[h[NODE_HEADER]]
         if where in self.endpoints:
             target = self.endpoints.index(where)
         else:

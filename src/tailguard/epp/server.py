@@ -34,6 +34,7 @@ from grpc_health.v1.health import aio as health_aio
 from tailguard.epp.picker import SERVICE, EndpointPicker
 from tailguard.gateway.app import PROXY, RunningGateway, start_gateway
 from tailguard.gateway.config import FleetConfig
+from tailguard.gateway.server import start_gc_tuning
 
 log = logging.getLogger("tailguard.epp")
 
@@ -122,6 +123,7 @@ async def serve_epp(config: FleetConfig, grpc_port: int, health_port: int, host:
                     objectives: dict[str, int] | None = None) -> None:
     epp = await start_epp(config, grpc_port, health_port, host, http_host, http_port,
                           objectives=objectives)
+    collector = start_gc_tuning()  # as under serve: every message allocates
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -137,6 +139,8 @@ async def serve_epp(config: FleetConfig, grpc_port: int, health_port: int, host:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await epp.stop(config.shutdown_timeout_s)
+        if collector is not None:
+            collector.cancel()
 
 
 __all__ = ["RunningPicker", "run_epp", "serve_epp", "start_epp"]

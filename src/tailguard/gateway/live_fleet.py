@@ -87,7 +87,8 @@ class LiveFleet:
         self._session: aiohttp.ClientSession | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._models: list[str] | None = None
-        self._endpoints: dict[str, str] | None = None
+        # (node id by endpoint, endpoint by node id), built when first asked for
+        self._endpoints: tuple[dict[str, str], dict[str, str]] | None = None
         self.shared: SharedState | None = None  # with shared_state: in the fleet file
 
     # -- lifecycle -----------------------------------------------------------
@@ -193,8 +194,16 @@ class LiveFleet:
 
     def endpoints(self) -> dict[str, str]:
         """Node id by ``host:port`` (:attr:`NodeConfig.endpoint`), for the endpoint picker."""
+        return self._endpoint_maps()[0]
+
+    def addresses(self) -> dict[str, str]:
+        """``host:port`` by node id (the inverse of :meth:`endpoints`, parsed once)."""
+        return self._endpoint_maps()[1]
+
+    def _endpoint_maps(self) -> tuple[dict[str, str], dict[str, str]]:
         if self._endpoints is None:
-            self._endpoints = {n.endpoint: n.id for n in self.nodes.values()}
+            by_id = {n.id: n.endpoint for n in self.nodes.values()}
+            self._endpoints = ({e: i for i, e in by_id.items()}, by_id)
         return self._endpoints
 
     def serves(self, model: str) -> bool:

@@ -45,10 +45,7 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
     log.info("file descriptors: up to %d (client connections capped at %s)", fds,
              config.client.max_connections or default_max_connections())
     gw = await start_gateway(config, host, port, access_log=access_log, record=record)
-    collector: asyncio.Task[None] | None = None
-    if os.environ.get("TAILGUARD_GC_TUNING", "1") != "0":  # 0: CPython's defaults (diagnosis)
-        tune_gc()
-        collector = asyncio.create_task(_collect_periodically(), name="gc")
+    collector = start_gc_tuning()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,6 +75,15 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
 
 
 GC_FULL_EVERY_S = 10.0
+
+
+def start_gc_tuning() -> asyncio.Task[None] | None:
+    """:func:`tune_gc` and the periodic full collection (cancel the task at exit);
+    ``TAILGUARD_GC_TUNING=0`` leaves CPython's defaults (for diagnosis)."""
+    if os.environ.get("TAILGUARD_GC_TUNING", "1") == "0":
+        return None
+    tune_gc()
+    return asyncio.create_task(_collect_periodically(), name="gc")
 
 
 async def _collect_periodically(every_s: float = GC_FULL_EVERY_S) -> None:
