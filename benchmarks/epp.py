@@ -15,8 +15,9 @@ request is read from ``/proc`` (the picker against the proxy). Reports SLO
 attainment, TTFT/TPOT p99, each GPU class's share of the requests (for
 Envoy alone from its own per-host counters), and, at concurrency 1 on a
 zero-delay engine, the median TTFT direct, through Envoy, through Envoy
-with the picker and through serve: the picker's added latency is
-(envoy+epp) - (envoy). With ``--pin`` the latency is measured again with
+with the picker and through serve, the four paths taking turns request by
+request (in blocks of 25, each warming its path up): the picker's added
+latency is (envoy+epp) - (envoy). With ``--pin`` the latency is measured again with
 tailguard on a CPU of its own and the client, the engine and Envoy on the
 others (on a 2-core machine they otherwise take turns on the picker's core).
 Prints what it measured; asserts nothing.
@@ -207,24 +208,46 @@ async def load_run(variant: str, nodes: list[EmulatedNode], rate: float, duratio
             if variant != "envoy" else None}
 
 
-async def sequential_ttft(url: str, n: int) -> list[float]:
+async def ttft_once(session: aiohttp.ClientSession, url: str) -> float:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
             "stream": True}
-    out = []
-    async with aiohttp.ClientSession() as s:
-        for i in range(n + 20):
-            t0 = time.perf_counter()
-            async with s.post(url + "/v1/chat/completions", json=body) as r:
-                await r.content.readany()
-                t = time.perf_counter() - t0
-                await r.read()
-            if i >= 20:  # warm-up: connections, caches
-                out.append(t)
-    return out
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        await r.content.readany()
+        t = time.perf_counter() - t0
+        await r.read()
+    return t
+
+
+BLOCK = 25  # requests through one path before the next path's turn
+BLOCK_WARMUP = 3  # of each block, not counted: the path's processes wake up
+
+
+async def interleaved_ttft(urls: dict[str, str], n: int) -> dict[str, float]:
+    """Median TTFT per path (ms), the paths taking turns in blocks of ``BLOCK``
+    sequential requests, so that what the machine does meanwhile falls on all of
+    them alike, while each block runs on warm processes as a lone client would."""
+    sessions = {k: aiohttp.ClientSession() for k in urls}
+    got: dict[str, list[float]] = {k: [] for k in urls}
+    try:
+        for k, url in urls.items():  # warm-up: connections, caches
+            for _ in range(20):
+                await ttft_once(sessions[k], url)
+        while min(len(v) for v in got.values()) < n:
+            for k, url in urls.items():
+                for i in range(BLOCK):
+                    t = await ttft_once(sessions[k], url)
+                    if i >= BLOCK_WARMUP:
+                        got[k].append(t)
+    finally:
+        for s in sessions.values():
+            await s.close()
+    return {k: float(np.median(v)) * 1e3 for k, v in got.items()}
 
 
 async def added_latency(n: int, rounds: int, pin: bool) -> dict[str, list[float]]:
-    """Median TTFT at concurrency 1 on a zero-delay engine, per path and round (ms)."""
+    """Median TTFT at concurrency 1 on a zero-delay engine, per path and round (ms):
+    all stacks up at once, one request through each in turn."""
     node = EmulatedNode("e0", "H100", models=(MODEL,))
     out: dict[str, list[float]] = {}
     mine = os.sched_getaffinity(0)
@@ -233,18 +256,19 @@ async def added_latency(n: int, rounds: int, pin: bool) -> dict[str, list[float]
     try:
         async with run_emulator([node], host="127.0.0.1", speed=float("inf")) as emu:
             for _ in range(rounds):
-                direct = await sequential_ttft(emu.urls["e0"], n)
-                out.setdefault("direct", []).append(float(np.median(direct)) * 1e3)
-                for variant in ("envoy", "epp", "serve"):
-                    stack = Stack(variant, fleet_doc([node], emu.urls),
-                                  Path(tempfile.mkdtemp(prefix=f"tailguard-epp-lat-{variant}-")),
-                                  pin)
-                    try:
+                stacks = [Stack(v, fleet_doc([node], emu.urls),
+                                Path(tempfile.mkdtemp(prefix=f"tailguard-epp-lat-{v}-")), pin)
+                          for v in ("envoy", "epp", "serve")]
+                try:
+                    for stack in stacks:
                         await stack.start()
-                        got = await sequential_ttft(stack.url, n)
-                        out.setdefault(variant, []).append(float(np.median(got)) * 1e3)
-                    finally:
+                    medians = await interleaved_ttft(
+                        {"direct": emu.urls["e0"], **{st.variant: st.url for st in stacks}}, n)
+                finally:
+                    for stack in stacks:
                         stack.stop()
+                for k, v in medians.items():
+                    out.setdefault(k, []).append(v)
     finally:
         os.sched_setaffinity(0, mine)
     return out

@@ -69,13 +69,24 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2 as pb,
     external_processor_pb2_grpc as pb_grpc,
 )
+from google.protobuf import struct_pb2
 
 from tailguard.core.exchange import Exchange
-from tailguard.epp.protocol import DESTINATION, OBJECTIVES, SERVED, SERVICE, immediate
+from tailguard.epp.protocol import (
+    DESTINATION,
+    LB_NAMESPACE,
+    OBJECTIVES,
+    SERVED,
+    SERVICE,
+    header,
+    immediate,
+)
 from tailguard.epp.request import PickedRequest
 from tailguard.gateway.admission_gate import AdmissionGate
 from tailguard.gateway.live_fleet import LiveFleet
 from tailguard.gateway.metrics import GatewayMetrics
+
+ROUTING_CACHE = 4096  # distinct endpoint lists kept (a fleet's churn empties it)
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -92,6 +103,32 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.exchange_type: type[Exchange] = Exchange  # tests put a tracing one here
         self.streams = 0  # open ext_proc streams (a gauge for tests and the admin view)
         self.live: dict[str, PickedRequest] = {}  # by x-request-id, while a stream may join
+        # Routing replies by (endpoint list, upstream key, duplex): built once, sent
+        # as often as the list recurs (a few lists carry most requests).
+        self._routings: dict[tuple[str, str | None, bool], pb.ProcessingResponse] = {}
+
+    def routing_reply(self, endpoints: str, key: str | None,
+                      duplex: bool) -> pb.ProcessingResponse:
+        """The reply that routes to ``endpoints`` (``ip:port,...``): the header and
+        ``dynamic_metadata["envoy.lb"]``, on the headers' reply (full duplex) or the
+        body's (buffered)."""
+        cached = self._routings.get((endpoints, key, duplex))
+        if cached is not None:
+            return cached
+        set_headers = [header(DESTINATION, endpoints)]
+        if key:
+            set_headers.append(header("authorization", f"Bearer {key}"))
+        routing = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
+        meta = struct_pb2.Struct()
+        meta.update({LB_NAMESPACE: {DESTINATION: endpoints}})
+        reply = (pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=routing),
+                                       dynamic_metadata=meta) if duplex else
+                 pb.ProcessingResponse(request_body=pb.BodyResponse(response=routing),
+                                       dynamic_metadata=meta))
+        if len(self._routings) >= ROUTING_CACHE:
+            self._routings.clear()
+        self._routings[(endpoints, key, duplex)] = reply
+        return reply
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:

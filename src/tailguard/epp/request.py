@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import struct_pb2
 
 from tailguard.core.exchange import (
     NO_CAPACITY,
@@ -30,9 +29,7 @@ from tailguard.core.exchange import (
 )
 from tailguard.epp.protocol import (
     CONTINUE_HEADERS,
-    DESTINATION,
     DUPLEX,
-    LB_NAMESPACE,
     NO_BODY,
     OBJECTIVE,
     SUBSET,
@@ -211,23 +208,15 @@ class PickedRequest(ResponseSide):
         self.endpoints = [addresses[copy.node_id]] + [addresses[n] for n in
                                                       ex.fallbacks(time.monotonic())]
         value = ",".join(self.endpoints)
-        set_headers = [header(DESTINATION, value)]
-        key = fleet.nodes[copy.node_id].upstream_api_key()
-        if key:
-            set_headers.append(header("authorization", f"Bearer {key}"))
-        routing = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
-        meta = struct_pb2.Struct()
-        meta.update({LB_NAMESPACE: {DESTINATION: value}})
+        reply = self.picker.routing_reply(value, fleet.nodes[copy.node_id].upstream_api_key(),
+                                          self.duplex)
         if not self.duplex:  # buffered: the routing rides on the body's reply
-            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=routing),
-                                          dynamic_metadata=meta)]
+            return [reply]
         body = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
             body=bytes(self.body), end_of_stream=True))
         self.body = bytearray()
-        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=routing),
-                                      dynamic_metadata=meta),
-                pb.ProcessingResponse(request_body=pb.BodyResponse(
-                    response=pb.CommonResponse(body_mutation=body)))]
+        return [reply, pb.ProcessingResponse(request_body=pb.BodyResponse(
+            response=pb.CommonResponse(body_mutation=body)))]
 
     def _bodyless(self) -> pb.ProcessingResponse:
         """A request without a body: the model list, or a 404 naming what is routed."""
