@@ -434,6 +434,11 @@ class Waiting:
     t_first: float = -1.0
     released: bool = False
     presumed: bool = False
+    allowance: float = -1.0  # due less dispatch, unless given
+
+    def __post_init__(self) -> None:
+        if self.allowance < 0.0:
+            self.allowance = self.due - self.t_dispatch
 
 
 def test_a_stall_is_a_silence_past_a_due_prompt() -> None:
@@ -511,6 +516,33 @@ def test_a_stall_whose_prompts_were_hedged_away_is_still_a_stall() -> None:
     node.decoding = 0  # the stream ended (a failure: no progress)
     answered(50.2, at=50.1)
     assert node.stalls == 1
+
+
+def test_a_prompt_waiting_for_an_engine_slot_is_due_once_one_frees() -> None:
+    """All of a node's engine slots taken: the next prompt waits for a running
+    answer to end, which the roofline does not price, so its first token is due
+    only from then (a llama.cpp server with two slots at a third of its speed had
+    each queued prompt taken for a stall, and its decode evidence left out)."""
+    spec = NodeSpec("n0", DEFAULT_CATALOG.gpu("L4"), "L4", models=(MODEL,), max_num_seqs=2)
+    b = Balancer([spec], [PoolConfig(MODEL, "round_robin")], random.Random(0))
+    node = b.nodes["n0"]
+    running = [b.pick(MODEL, 200, 0.0) for _ in range(2)]
+    queued = b.pick(MODEL, 200, 0.0)
+    assert all(t is not None for t in running) and queued is not None
+    assert all(t.due < math.inf for t in running if t is not None)
+    assert queued.due == math.inf and queued.allowance > 0.0
+    for t in running:
+        assert t is not None
+        b.on_first_token(t, 0.1)
+    # The running answers take 3 s: the queued prompt is not overdue meanwhile
+    assert node.overdue_s(2.9) == 0.0 and not node.spans_stall(0.5, 2.9)
+    first = running[0]
+    assert first is not None
+    b.on_finish(first, 3.0, Outcome.OK, 60)  # a slot frees: its wait for a first token begins
+    assert queued.due == 3.0 + queued.allowance
+    assert node.overdue_s(3.0 + queued.allowance + 0.5) == pytest.approx(0.5)
+    # ...and a silence past that due is a stall as before
+    assert node.spans_stall(3.0, 3.0 + queued.allowance + 2.0 * queued.allowance + 1.5)
 
 
 def test_stalls_are_not_slowness_but_many_are_flagged() -> None:

@@ -23,6 +23,11 @@ prompts they must compute (fresh text each time). Then:
 Three single-thread engines, the gateway and the client share two cores at
 under 3 requests per second per node: the detector judges by accumulated
 evidence per node (core/outliers/), not by a count of samples per interval.
+The load keeps one client per engine slot (six): the fleet needs every node.
+With four, the healthy engines' four slots held all of it, the router stopped
+sending the throttled one anything after its first slow answers, and whether
+it was caught within 20 s hung on how many of its answers were under way when
+the throttle began (a CI run: 4 served in 20 s, evidence 3.3 of 6).
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ async def _body(servers: list[LlamaServer]) -> None:
         fleet = gw.fleet
         await wait_for(lambda: all(m.engine == "llamacpp" for m in fleet.monitors.values()),
                        timeout=10.0, what="llama.cpp detected on every node")
-        load = Load(gw, workers=4)
+        load = Load(gw, workers=6)
         load.start()
         # 1. mixed load
         t_healthy = time.monotonic()

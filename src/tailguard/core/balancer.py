@@ -362,7 +362,10 @@ class Balancer:
                                           pool.mean_prompt + pool.mean_output * 0.5)
             node.add_dispatched_work(ticket.work)
         expected = ticket.expected_ttft() * node.class_prefill_slowdown
-        ticket.due = now + expected * OVERDUE_FACTOR
+        ticket.allowance = expected * OVERDUE_FACTOR
+        if ticket.batch_at_dispatch <= node.slots:
+            ticket.due = now + ticket.allowance
+        # else every engine slot is taken: due once one frees (Node.slot_freed)
         if ticket.work > 0.0:
             ticket.accrual = node.start_work(ticket.work, expected, now)
         node.awaits(ticket)

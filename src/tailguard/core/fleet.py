@@ -60,10 +60,16 @@ STALL_S = 1.0
 
 
 class Awaited(Protocol):
-    """What a node's overdue check reads of a dispatched request (balancer.Ticket)."""
+    """What a node's overdue check reads of a dispatched request (balancer.Ticket).
 
-    @property
-    def due(self) -> float: ...
+    ``due``: when its first token is overdue, inf while it waits for an engine
+    slot (the node sets it once one frees: :meth:`Node.slot_freed`);
+    ``allowance``: its due less the time its wait began.
+    """
+
+    due: float
+    allowance: float
+
     @property
     def t_dispatch(self) -> float: ...
     @property
@@ -499,7 +505,7 @@ class Node:
         q = self.awaited
         if not q:  # a debt (Node.owed_due) alone: the absolute bound
             return STALL_S
-        w = OVERDUE_FACTOR * (q[0].due - q[0].t_dispatch)
+        w = OVERDUE_FACTOR * q[0].allowance
         return w if w > STALL_S else STALL_S
 
     def _trim(self) -> deque[Awaited]:
@@ -516,6 +522,22 @@ class Node:
             if self.decoding <= 0 and self.prefilling <= 0:
                 self.debt_due = math.inf  # idle since: it owed nothing meanwhile
         self.awaited.append(req)
+
+    def slot_freed(self, now: float) -> None:
+        """A request that held an engine slot ended: the oldest prompt waiting for
+        one starts its wait for its first token now.
+
+        A prompt sent to a node whose slots were all taken waits for a running
+        answer to end, a wait the roofline does not price: due at its dispatch,
+        a llama.cpp server with two slots at a third of its speed had its queued
+        prompts late by seconds at every answer, each taken for a stall, and the
+        decode that would have caught it left out of the evidence.
+        """
+        for req in self.awaited:
+            if req.due == math.inf and req.t_first < 0.0 and not req.released \
+                    and not req.presumed:
+                req.due = now + req.allowance
+                return
 
     def progressed(self, now: float) -> None:
         """A first token or a good finish: the node is answering (Node.overdue_s)."""

@@ -132,6 +132,8 @@ def finish(b: Balancer, ticket: Ticket, now: float, outcome: Outcome, output_tok
     if ticket.pending_prefill:
         learn_prefill(b, ticket, cached_tokens)
     node.in_flight -= 1
+    if ticket.due != math.inf:  # it held an engine slot: the next waiting prompt has it
+        node.slot_freed(now)
     if ticket.t_first < 0.0 and not ticket.presumed:
         node.prefilling -= 1
         node.prefill_backlog -= ticket.backlog
@@ -141,7 +143,7 @@ def finish(b: Balancer, ticket: Ticket, now: float, outcome: Outcome, output_tok
             node.withdraw_work(ticket.work)
             node.end_work(ticket.work, ticket.accrual, now, computed=False)
             node.left_unanswered(ticket.due if outcome is Outcome.CLIENT_CANCELLED
-                                 else math.inf, now, ticket.due - ticket.t_dispatch)
+                                 else math.inf, now, ticket.allowance)
     else:
         node.decoding -= 1
     if b.outliers is not None and (judged or not outcome.is_node_failure):

@@ -40,6 +40,7 @@ class Ticket:
     __slots__ = (
         "accrual",
         "ahead_tokens",
+        "allowance",
         "backlog",
         "batch_at_dispatch",
         "batch_at_first",
@@ -78,6 +79,7 @@ class Ticket:
         self.t_dispatch = now
         self.t_first = -1.0
         self.due = math.inf  # its first token is overdue after (set at dispatch: Node.overdue_s)
+        self.allowance = 0.0  # ...and how long after its wait began (Awaited)
         self.ahead_tokens = node.fleet_backlog
         self.batch_at_dispatch = node.fleet_in_flight + 1
         self.batch_at_first = 0
