@@ -543,6 +543,14 @@ def test_a_prompt_waiting_for_an_engine_slot_is_due_once_one_frees() -> None:
     assert node.overdue_s(3.0 + queued.allowance + 0.5) == pytest.approx(0.5)
     # ...and a silence past that due is a stall as before
     assert node.spans_stall(3.0, 3.0 + queued.allowance + 2.0 * queued.allowance + 1.5)
+    # One that found a slot no answer of ours freed (another replica's, or an engine
+    # with more slots than its fleet entry says) frees one all the same at its end.
+    second, third = b.pick(MODEL, 200, 3.1), b.pick(MODEL, 200, 3.1)
+    assert second is not None and third is not None
+    assert second.due == math.inf and third.due == math.inf
+    b.on_first_token(second, 3.2)
+    b.on_finish(second, 4.0, Outcome.OK, 20)
+    assert third.due == 4.0 + third.allowance
 
 
 def test_stalls_are_not_slowness_but_many_are_flagged() -> None:

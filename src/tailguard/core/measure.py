@@ -132,8 +132,8 @@ def finish(b: Balancer, ticket: Ticket, now: float, outcome: Outcome, output_tok
     if ticket.pending_prefill:
         learn_prefill(b, ticket, cached_tokens)
     node.in_flight -= 1
-    if ticket.due != math.inf:  # it held an engine slot: the next waiting prompt has it
-        node.slot_freed(now)
+    if ticket.due != math.inf or ticket.t_first >= 0.0:
+        node.slot_freed(now)  # it held an engine slot: the next waiting prompt has it
     if ticket.t_first < 0.0 and not ticket.presumed:
         node.prefilling -= 1
         node.prefill_backlog -= ticket.backlog
