@@ -15,9 +15,11 @@ request is read from ``/proc`` (the picker against the proxy). Reports SLO
 attainment, TTFT/TPOT p99, each GPU class's share of the requests (for
 Envoy alone from its own per-host counters), and, at concurrency 1 on a
 zero-delay engine, the median TTFT direct, through Envoy, through Envoy
-with the picker and through serve, the four paths taking turns request by
-request (in blocks of 25, each warming its path up): the picker's added
-latency is (envoy+epp) - (envoy). With ``--pin`` the latency is measured again with
+with a do-nothing grpcio picker (``epp_floor.py``: the floor any such picker
+pays on this machine), through Envoy with tailguard's picker and through
+serve, the five paths taking turns (in blocks of 25 requests, each warming
+its path up): the picker's added latency is (envoy+epp) - (envoy), of which
+(envoy+epp) - (envoy+floor) is tailguard's own work. With ``--pin`` the latency is measured again with
 tailguard on a CPU of its own and the client, the engine and Envoy on the
 others (on a 2-core machine they otherwise take turns on the picker's core).
 Prints what it measured; asserts nothing.
@@ -57,6 +59,21 @@ INPUT = {"dist": "lognormal", "mu": 6.0, "sigma": 0.7, "max": 4096}
 OUTPUT = {"dist": "uniform", "min": 16, "max": 128}
 SLO = Slo(ttft_s=1.0, tpot_s=0.08)
 ENVOY = Path(sys.executable).parent / "envoy"
+
+
+async def wait_tcp(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port}") from None
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
 
 
 async def wait_http(url: str, timeout: float = 30.0) -> None:
@@ -103,7 +120,8 @@ class Stack:
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
         cpus = sorted(os.sched_getaffinity(0)) if self.pin else []
         if cpus:
-            mine = {cpus[-1]} if name == "tailguard" else (set(cpus[:-1]) or {cpus[-1]})
+            mine = ({cpus[-1]} if name in ("tailguard", "floor")
+                    else (set(cpus[:-1]) or {cpus[-1]}))
             p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                  preexec_fn=lambda: os.sched_setaffinity(0, mine))
         else:
@@ -126,6 +144,12 @@ class Stack:
                                           "--grpc-health-port", str(free_port()),
                                           "--log-level", "error"], "tailguard")
             await wait_http(f"http://127.0.0.1:{self.http_port}/health")
+            picker = f"127.0.0.1:{self.grpc_port}"
+        elif self.variant == "floor":  # the do-nothing picker (epp_floor.py)
+            first = self.cfg.nodes[0].url.split("//", 1)[-1].rstrip("/")
+            self._spawn([sys.executable, str(Path(__file__).with_name("epp_floor.py")),
+                         "--port", str(self.grpc_port), "--endpoint", first], "floor")
+            await wait_tcp(self.grpc_port)
             picker = f"127.0.0.1:{self.grpc_port}"
         conf = self.work / "envoy.yaml"
         conf.write_text(envoy_yaml(self.cfg, port=self.envoy_port, admin_port=self.envoy_admin,
@@ -258,7 +282,7 @@ async def added_latency(n: int, rounds: int, pin: bool) -> dict[str, list[float]
             for _ in range(rounds):
                 stacks = [Stack(v, fleet_doc([node], emu.urls),
                                 Path(tempfile.mkdtemp(prefix=f"tailguard-epp-lat-{v}-")), pin)
-                          for v in ("envoy", "epp", "serve")]
+                          for v in ("envoy", "floor", "epp", "serve")]
                 try:
                     for stack in stacks:
                         await stack.start()
@@ -295,12 +319,16 @@ async def main_async(args: argparse.Namespace) -> None:
     for pin in (False, True) if args.pin else (False,):
         lat = await added_latency(args.requests, args.rounds, pin)
         added = [e - v for e, v in zip(lat["epp"], lat["envoy"], strict=True)]
+        floor = [f - v for f, v in zip(lat["floor"], lat["envoy"], strict=True)]
+        own = [e - f for e, f in zip(lat["epp"], lat["floor"], strict=True)]
         proxy = [s - d for s, d in zip(lat["serve"], lat["direct"], strict=True)]
         print(f"TTFT p50 at concurrency 1 (zero-delay engine, {args.requests} requests, "
               f"{'tailguard on a CPU of its own' if pin else 'all processes on all CPUs'}), "
               "per round: " + ", ".join(f"{k} {[round(x, 2) for x in v]} ms"
                                          for k, v in lat.items())
-              + f"; the picker adds {[round(x, 2) for x in added]} ms to Envoy, serve adds "
+              + f"; the picker adds {[round(x, 2) for x in added]} ms to Envoy (a do-nothing "
+                f"grpcio picker {[round(x, 2) for x in floor]}, tailguard's own work "
+                f"{[round(x, 2) for x in own]}), serve adds "
                 f"{[round(x, 2) for x in proxy]} ms to direct", flush=True)
     results = {}
     for variant in filter(None, args.variants.split(",")):
