@@ -23,20 +23,14 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2 as pb,
     external_processor_pb2_grpc as pb_grpc,
 )
-from google.protobuf import struct_pb2
 
-from tailguard.epp.protocol import DESTINATION, LB_NAMESPACE, header
+from tailguard.epp.protocol import body_echo, routing
 from tailguard.gateway.server import _loop_factory
 
 
 class FloorPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, endpoint: str) -> None:
-        meta = struct_pb2.Struct()
-        meta.update({LB_NAMESPACE: {DESTINATION: endpoint}})
-        routing = pb.CommonResponse(header_mutation=pb.HeaderMutation(
-            set_headers=[header(DESTINATION, endpoint)]))
-        self.route = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=routing),
-                                           dynamic_metadata=meta)
+        self.route = routing(endpoint, None, duplex=True)  # tailguard's own reply, built once
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
@@ -50,10 +44,7 @@ class FloorPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 body += msg.request_body.body
                 if msg.request_body.end_of_stream:
                     yield self.route
-                    yield pb.ProcessingResponse(request_body=pb.BodyResponse(
-                        response=pb.CommonResponse(body_mutation=pb.BodyMutation(
-                            streamed_response=pb.StreamedBodyResponse(
-                                body=bytes(body), end_of_stream=True)))))
+                    yield body_echo(bytes(body))
                     body = bytearray()
 
 

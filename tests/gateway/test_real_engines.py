@@ -29,8 +29,9 @@ fleet needs the throttled node for one stream and its evidence keeps coming.
 With four throughout, the router stopped sending it anything after its first slow
 answers, and whether it was caught within 20 s hung on how many of its answers
 were under way when the throttle began (a CI run: 4 served in 20 s, evidence
-3.3 of 6). With five throughout, the engines busy at once on two cores read
-1.6-2x apart (a healthy node degraded in a CI run and in one of two runs here).
+3.3 of 6). With a fifth client kept on (throughout, or from the throttle to the
+end), the engines busy at once on two cores read 1.6-2x apart: a healthy node
+was degraded in a CI run and in one of two runs here.
 """
 
 from __future__ import annotations

@@ -69,17 +69,15 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2 as pb,
     external_processor_pb2_grpc as pb_grpc,
 )
-from google.protobuf import struct_pb2
 
 from tailguard.core.exchange import Exchange
 from tailguard.epp.protocol import (
     DESTINATION,
-    LB_NAMESPACE,
     OBJECTIVES,
     SERVED,
     SERVICE,
-    header,
     immediate,
+    routing,
 )
 from tailguard.epp.request import PickedRequest
 from tailguard.gateway.admission_gate import AdmissionGate
@@ -109,22 +107,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def routing_reply(self, endpoints: str, key: str | None,
                       duplex: bool) -> pb.ProcessingResponse:
-        """The reply that routes to ``endpoints`` (``ip:port,...``): the header and
-        ``dynamic_metadata["envoy.lb"]``, on the headers' reply (full duplex) or the
-        body's (buffered)."""
+        """:func:`~tailguard.epp.protocol.routing`, built once per endpoint list."""
         cached = self._routings.get((endpoints, key, duplex))
         if cached is not None:
             return cached
-        set_headers = [header(DESTINATION, endpoints)]
-        if key:
-            set_headers.append(header("authorization", f"Bearer {key}"))
-        routing = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
-        meta = struct_pb2.Struct()
-        meta.update({LB_NAMESPACE: {DESTINATION: endpoints}})
-        reply = (pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=routing),
-                                       dynamic_metadata=meta) if duplex else
-                 pb.ProcessingResponse(request_body=pb.BodyResponse(response=routing),
-                                       dynamic_metadata=meta))
+        reply = routing(endpoints, key, duplex)
         if len(self._routings) >= ROUTING_CACHE:
             self._routings.clear()
         self._routings[(endpoints, key, duplex)] = reply

@@ -6,6 +6,7 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
 from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_body
 
@@ -61,3 +62,27 @@ def immediate(status: int, message: str, code: str, headers: dict[str, str] | No
         status={"code": status},
         headers=pb.HeaderMutation(set_headers=[header(k, v) for k, v in hdrs.items()]),
         body=error_body(status, message, code, param), details=code))
+
+
+def routing(endpoints: str, key: str | None, duplex: bool) -> pb.ProcessingResponse:
+    """The reply that routes to ``endpoints`` (``ip:port,...``): the header and
+    ``dynamic_metadata["envoy.lb"]``, on the headers' reply (full duplex) or the
+    body's (buffered); ``key``: the upstream's API key, sent as its bearer token."""
+    set_headers = [header(DESTINATION, endpoints)]
+    if key:
+        set_headers.append(header("authorization", f"Bearer {key}"))
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
+    meta = struct_pb2.Struct()
+    meta.update({LB_NAMESPACE: {DESTINATION: endpoints}})
+    if duplex:
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                     dynamic_metadata=meta)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                 dynamic_metadata=meta)
+
+
+def body_echo(body: bytes) -> pb.ProcessingResponse:
+    """The request's whole body streamed back to Envoy unchanged (full duplex)."""
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(
+        response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True)))))

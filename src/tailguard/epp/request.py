@@ -34,6 +34,7 @@ from tailguard.epp.protocol import (
     OBJECTIVE,
     SUBSET,
     SUBSET_NAMESPACE,
+    body_echo,
     header,
     immediate,
     metadata,
@@ -212,11 +213,9 @@ class PickedRequest(ResponseSide):
                                           self.duplex)
         if not self.duplex:  # buffered: the routing rides on the body's reply
             return [reply]
-        body = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-            body=bytes(self.body), end_of_stream=True))
+        echo = body_echo(bytes(self.body))
         self.body = bytearray()
-        return [reply, pb.ProcessingResponse(request_body=pb.BodyResponse(
-            response=pb.CommonResponse(body_mutation=body)))]
+        return [reply, echo]
 
     def _bodyless(self) -> pb.ProcessingResponse:
         """A request without a body: the model list, or a 404 naming what is routed."""
