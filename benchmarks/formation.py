@@ -14,7 +14,10 @@ and divided by the formation's $/h:
   that fits on all, across hosts and types).
 
 Prints what it measured, and per case the planned/best-naive ratio of
-goodput per dollar.
+goodput per dollar, with the ceiling the ratings set: a fleet's rated goodput
+per dollar is its replicas' ratios averaged by cost, so no formation rates
+above the inventory's best shape, and best shape / naive bounds the ratio any
+formation can reach.
 
     python benchmarks/formation.py [--cases 6] [--seed 1] [--duration 90]
 """
@@ -88,13 +91,20 @@ def main() -> None:
         planning = time.perf_counter() - t0
         mine = row("planned, per-dollar", plan, base)
         row("planned, goodput", plan_formation(inv, rater, objective="goodput"), base)
-        naive = max(row("one replica per GPU", one_per_gpu(inv, rater), base),
-                    row("TP across types", tp_across_types(inv, rater, model), base))
+        naives = (one_per_gpu(inv, rater), tp_across_types(inv, rater, model))
+        naive = max(row(f.name, f, base) for f in naives)
         verdict = (f"{mine / naive:.2f}x" if naive > 0.01 * mine else
                    "naive serves nothing" if naive == 0 else "naive serves under 1%")
         if mine == 0:
             verdict = "nothing meets the SLO"
         print(f"  planned / best naive goodput per dollar: {verdict} (planning {planning:.1f} s)")
+        # By the ratings alone: how far any formation could get above the naive one.
+        top, rated_naive = plan.ceiling, max(f.rated_ratio for f in naives)
+        if top is not None and rated_naive > 0:
+            print(f"  by the ratings: planned {plan.rated_ratio:.3f}, best naive {rated_naive:.3f}, "
+                  f"best shape {top.shape.name} {top.ratio:.3f} req/s per $/h: no formation "
+                  f"rates above {top.ratio / rated_naive:.2f}x the naive one")
+            verdict += f" (at most {top.ratio / rated_naive:.2f}x)"
         summary.append(verdict)
     print("summary:", ", ".join(summary))
 

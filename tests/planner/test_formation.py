@@ -168,6 +168,15 @@ def test_per_dollar_drops_what_lowers_goodput_per_dollar_and_goodput_keeps_it() 
     assert everything.gpus > thrifty.gpus and everything.goodput_rps > thrifty.goodput_rps
     assert (thrifty.goodput_rps / thrifty.cost_per_hour
             > everything.goodput_rps / everything.cost_per_hour)
+    # No formation rates above the best shape weighed: a fleet's goodput per
+    # dollar is its replicas' ratios averaged by cost.
+    top = thrifty.ceiling
+    assert top is not None and top.shape.name == "H100-SXM"
+    for f in (thrifty, everything, one_per_gpu(inv, r),
+              tp_across_types(inv, r, CAT.model("llama-3.1-8b"))):
+        assert 0 < f.rated_ratio <= top.ratio + 1e-9, f.name
+    assert thrifty.rated_ratio == pytest.approx(top.ratio)
+    assert everything.rated_ratio < top.ratio
 
 
 def test_a_demand_takes_the_cheapest_way_there_and_a_budget_buys_more() -> None:

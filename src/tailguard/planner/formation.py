@@ -158,6 +158,24 @@ class Formation:
     def gpus(self) -> int:
         return sum(r.rated.shape.gpus for r in self.replicas)
 
+    @property
+    def rated_ratio(self) -> float:
+        """The replicas' rated SLO goodput per dollar (capacities' sum over $/h)."""
+        cost = self.cost_per_hour
+        return self.goodput_rps / cost if cost > 0 else 0.0
+
+    @property
+    def ceiling(self) -> Rated | None:
+        """The best goodput per dollar of any shape weighed (and of the replicas).
+
+        A fleet's rated goodput per dollar is its replicas' ratios averaged by
+        cost, so no formation of these GPUs rates above this shape's: it bounds
+        what any formation can gain over another (pooling aside).
+        """
+        shapes = [r for r in (*self.rated, *(x.rated for x in self.replicas))
+                  if r.capacity_rps > 0]
+        return max(shapes, key=lambda r: r.ratio, default=None)
+
 
 def usd_per_million_tokens(cost_per_hour: float, rps: float, output_tokens: float) -> float:
     """$ per million output tokens at ``rps`` requests/s of ``output_tokens`` each."""

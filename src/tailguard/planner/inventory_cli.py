@@ -114,7 +114,8 @@ def cmd_inventory(args: argparse.Namespace) -> int:
                 g = measured_goodput(f, base, args.attainment)
             checks[f.name] = {"goodput_rps": round(g, 3), "cost_per_hour": round(f.cost_per_hour, 2),
                               "rps_per_dollar_hour": round(g / f.cost_per_hour, 4)
-                              if f.cost_per_hour > 0 else 0.0, "gpus": f.gpus}
+                              if f.cost_per_hour > 0 else 0.0, "gpus": f.gpus,
+                              "rated_rps_per_dollar_hour": round(f.rated_ratio, 4)}
             if args.rate:  # and how it serves the demand itself
                 checks[f.name]["attainment_at_rate"] = round(
                     attainment_at(f, base, args.rate), 4)
@@ -289,5 +290,18 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
         naive = max(c["rps_per_dollar_hour"] for n, c in checks.items() if n != "planned")
         if naive > 0:
             print(f"  planned / best naive: {mine / naive:.2f}x goodput per dollar")
+            if mine < naive:  # the ratings misjudged this fleet: say so, keep the plan
+                best = max((n for n in checks if n != "planned"),
+                           key=lambda n: checks[n]["rps_per_dollar_hour"])
+                print(f"  warning: {best} measured more per dollar than the plan; on a small "
+                      "fleet, pooling can outweigh dropping GPUs (the same formation measured "
+                      "up to 13% apart between runs)")
         else:
             print("  no naive formation serves anything within the SLO")
+        top = plan.ceiling
+        rated_naive = max(c["rated_rps_per_dollar_hour"] for n, c in checks.items()
+                          if n != "planned")
+        if top is not None and rated_naive > 0:
+            print(f"  ceiling: no formation rates above the best shape, {top.shape.name} at "
+                  f"{top.ratio:.3f} req/s per $/h, {top.ratio / rated_naive:.2f}x the best naive "
+                  "formation's rating")
