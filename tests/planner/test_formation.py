@@ -15,6 +15,7 @@ from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
 from tailguard.gateway.config import load_fleet
 from tailguard.planner.formation import (
+    RATIO_TOLERANCE,
     Rated,
     Rater,
     Shape,
@@ -145,10 +146,17 @@ def test_pipelines_of_one_type_are_weighed_where_tp_fits() -> None:
 def test_pipelines_split_layers_by_speed_across_types() -> None:
     inv = parse_inventory({"hosts": [{"name": "h1", "gpu": "H100-SXM", "count": 1},
                                      {"name": "a1", "gpu": "A100-80GB", "count": 1}]})
-    plan = plan_formation(inv, rater("qwen2.5-32b"), objective="goodput")
-    pipes = [r for r in plan.replicas if r.rated.shape.pipelined]
-    # 32B fits an 80 GB GPU alone, so no pipeline is needed: one replica per GPU.
-    assert not pipes and len(plan.replicas) == 2
+    r32 = rater("qwen2.5-32b")
+    plan = plan_formation(inv, r32, objective="goodput")
+    # 32B fits an 80 GB GPU alone, but leaves it little KV room: two stages carry
+    # more than the two GPUs alone (by the roofline), and are weighed beside them.
+    (pipe,) = plan.replicas
+    alone = [x for x in plan.rated if not x.shape.pipelined]
+    assert pipe.rated.shape.name == "H100-SXM+A100-80GB" and len(alone) == 2
+    assert pipe.rated.capacity_rps > sum(x.capacity_rps for x in alone)
+    # An 8B model has room on each: the pipeline's rating is no better, one replica each.
+    small = plan_formation(inv, rater("llama-3.1-8b"), objective="goodput")
+    assert sorted(x.rated.shape.name for x in small.replicas) == ["A100-80GB", "H100-SXM"]
     inv = parse_inventory({"hosts": [{"name": "h1", "gpu": "H100-SXM", "count": 1},
                                      {"name": "x1", "gpu": "H200", "count": 1}]})
     plan = plan_formation(inv, rater("llama-3.1-70b"), objective="goodput")
@@ -177,6 +185,24 @@ def test_per_dollar_drops_what_lowers_goodput_per_dollar_and_goodput_keeps_it() 
         assert 0 < f.rated_ratio <= top.ratio + 1e-9, f.name
     assert thrifty.rated_ratio == pytest.approx(top.ratio)
     assert everything.rated_ratio < top.ratio
+
+
+def test_per_dollar_drops_single_types_a_cross_type_pipeline_beats() -> None:
+    """70B fits no single type here at its TPOT but for 8 A10Gs, and a pipeline of
+    two H100s and two smaller cards beats that per dollar: the A10G group taken
+    first must be dropped once the pipeline sets the bar (it lowered the fleet's
+    goodput per dollar from 0.249 to 0.194 req/s per $/h by the roofline)."""
+    inv = parse_inventory({"hosts": [{"name": "n0", "gpu": "H100-SXM", "count": 2},
+                                     {"name": "n2", "gpu": "L4", "count": 8},
+                                     {"name": "n3", "gpu": "A10G", "count": 8}]})
+    r = rater("llama-3.1-70b", tpot=0.1)
+    plan = plan_formation(inv, r)
+    top = plan.ceiling
+    assert top is not None and top.shape.pipelined and plan.replicas
+    assert all(x.rated.ratio >= top.ratio * (1 - RATIO_TOLERANCE) for x in plan.replicas)
+    assert plan.rated_ratio == pytest.approx(top.ratio)
+    # The goodput objective keeps the A10Gs: they add goodput.
+    assert plan_formation(inv, r, objective="goodput").goodput_rps > plan.goodput_rps
 
 
 def test_a_demand_takes_the_cheapest_way_there_and_a_budget_buys_more() -> None:

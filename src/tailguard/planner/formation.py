@@ -17,30 +17,35 @@ replicas would lose what pooling gives them (on H200s and an 8B model, TP-2
 rated alone beat TP-1 by capacity per GPU, while the fleet of TP-1 replicas
 carried 11% more).
 
-Formation, greedy by SLO goodput per dollar (capacity / $ per hour):
+Formation, greedy by SLO goodput per dollar (capacity / $ per hour): one
+replica at a time, the best ratio that the free GPUs (best fit) can still
+form among two kinds of shape, weighed together so that a single type cannot
+take the GPUs a better pipeline needs:
 
 1. **Homogeneous shapes.** For every GPU type of the inventory (a host's link
    makes its own type), TP 1, 2, 4 and 8 within one host, and pipelines of 2
    to MAX_PP stages of one TP degree on the type's GPUs (one host or several:
    the only shapes where the model fits no host alone, and better than TP
-   where a host has no NVLink). Shapes are taken best ratio first, each as often as the
-   hosts' free GPUs (best fit) and the objective allow. Within one type this
-   is the most goodput per GPU; across types the most goodput per dollar.
-   The objective says where to stop:
-
-   * ``per-dollar`` (the default): only shapes within RATIO_TOLERANCE of the
-     best ratio. Any other shape lowers the fleet's goodput per dollar, so its
-     GPUs are the ones to drop (the report names them and their ratio);
-   * ``goodput``: every shape with SLO capacity (GPUs already paid for);
-   * a demand (``--rate``): once the capacities carry it, which is the
-     cheapest formation that does;
-   * a budget (``--budget``): at the budget (see 3).
-2. **Pipelines across types** from what is left: two stages of equal TP
-   (vLLM runs one TP degree for every stage) on different GPU types or hosts,
+   where a host has no NVLink). Within one type the best ratio is the most
+   goodput per GPU; across types the most goodput per dollar.
+2. **Pipelines across types** of the free GPUs: two stages of equal TP (vLLM
+   runs one TP degree for every stage) on different GPU types or hosts,
    layers split by speed and memory (:func:`tailguard.core.pipeline.split_layers`).
    The roofline ranks the candidates and the simulator rates the best few;
-   the best measured is taken, and so on until nothing left forms a replica
-   with SLO capacity or the objective stops.
+   the best is taken where it beats the best homogeneous shape by more than
+   RATIO_TOLERANCE (a stage more is a process and a link more to fail).
+
+The objective says where to stop:
+
+* ``per-dollar`` (the default): only shapes within RATIO_TOLERANCE of the
+  best ratio of either kind. Any other shape lowers the fleet's goodput per
+  dollar, so its GPUs are the ones to drop (the report names them and their
+  ratio);
+* ``goodput``: every shape with SLO capacity (GPUs already paid for);
+* a demand (``--rate``): once the capacities carry it, which is the
+  cheapest formation that does;
+* a budget (``--budget``): at the budget (see 3).
+
 3. **Under a budget** a GPU costs the same owned or bought, so single-host
    shapes of the inventory's types, and of the types ``prices`` names, may
    go on to bought GPUs once the inventory's are taken: the best ratio takes
@@ -191,6 +196,7 @@ class Rater:
         self.scn, self.model = scn, model
         self.input_tokens, self.output_tokens = input_tokens, output_tokens
         self._memo: dict[Shape, Rated | None] = {}
+        self._rough: dict[Shape, float] = {}
 
     def perf(self, shape: Shape) -> PerfModel | None:
         """The shape's performance model; None if the model does not fit."""
@@ -210,8 +216,11 @@ class Rater:
 
     def rough_rps(self, shape: Shape) -> float:
         """The roofline's requests/s at the TPOT SLO (ranking only; 0 if it does not fit)."""
-        perf = self.perf(shape)
-        return 0.0 if perf is None else self.plan(perf).tokens_per_s / self.output_tokens
+        if shape not in self._rough:
+            perf = self.perf(shape)
+            self._rough[shape] = (0.0 if perf is None else
+                                  self.plan(perf).tokens_per_s / self.output_tokens)
+        return self._rough[shape]
 
     def rate(self, shape: Shape) -> Rated | None:
         if shape not in self._memo:
@@ -307,25 +316,6 @@ class _Goal:
         self.demand -= r.capacity_rps
 
 
-def _fill(rated: Sequence[Rated], free: _Free, goal: _Goal, replicas: list[Replica],
-          buyable: frozenset[Shape] = frozenset()) -> None:
-    """Take each shape best ratio first as often as GPUs and the goal allow; a
-    shape in ``buyable`` goes on to bought GPUs once the inventory has none."""
-    for r in sorted(rated, key=lambda r: (-r.ratio, r.shape.gpus, r.shape.name)):
-        if r.capacity_rps <= 0:
-            continue
-        while goal.wants(r):
-            taken = free.take(r.shape)
-            if taken is not None:
-                replicas.append(Replica(r, *taken))
-            elif r.shape in buyable:
-                name = f"new-{r.shape.stages[0].gpu.name}-{sum(x.added for x in replicas)}"
-                replicas.append(Replica(r, (name,), (tuple(range(r.shape.gpus)),), added=True))
-            else:
-                break
-            goal.took(r)
-
-
 def _mixed_round(free: _Free, inv: Inventory, rater: Rater) -> list[Rated]:
     """Cross-type two-stage pipelines the free GPUs could form, rated (best few)."""
     cands = []
@@ -357,10 +347,6 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
     """
     if objective not in OBJECTIVES:
         raise ConfigError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    goal = _Goal(float("inf") if budget is None else budget,
-                 float("inf") if demand is None else demand)
-    free = _Free(inv.hosts)
-    replicas: list[Replica] = []
     rated = _earned([r for s in homogeneous_shapes(inv, rater)
                      if (r := rater.rate(s)) is not None])
     buy: frozenset[Shape] = frozenset()
@@ -368,28 +354,62 @@ def plan_formation(inv: Inventory, rater: Rater, budget: float | None = None,
         rated += _buyable(inv, rater)
         buy = frozenset(r.shape for r in rated if not r.shape.pipelined)
     thrifty = objective == "per-dollar" and budget is None and demand is None
-
-    def raise_floor(options: Sequence[Rated]) -> None:
-        if thrifty:
-            top = max((r.ratio for r in options), default=0.0) * (1.0 - RATIO_TOLERANCE)
-            goal.floor = max(goal.floor, top)
-
-    raise_floor(rated)
-    _fill(rated, free, goal, replicas, buy)
-    while goal.budget > 0 and goal.demand > 0:
-        best = sorted((r for r in _mixed_round(free, inv, rater) if r.capacity_rps > 0),
-                      key=lambda r: -r.ratio)
-        raise_floor(best)
-        before = len(replicas)
-        _fill(best[:1], free, goal, replicas)
-        if len(replicas) == before:
-            break
+    goal = _Goal(float("inf") if budget is None else budget,
+                 float("inf") if demand is None else demand)
+    replicas, free = _form(inv, rater, rated, buy, goal, thrifty)
     useful = {r.shape.stages[0].gpu.name for r in rated if r.capacity_rps > 0}
     skipped = tuple(sorted({f"{r.shape.stages[0].gpu.name}: no SLO capacity at any TP degree "
                             "(prefill or decode too slow for the SLO)"
                             for r in rated if r.shape.stages[0].gpu.name not in useful}))
     unused = {h: n for h, n in free.free.items() if n > 0}
     return Formation("planned", tuple(replicas), unused, skipped, tuple(rated))
+
+
+def _form(inv: Inventory, rater: Rater, rated: Sequence[Rated], buy: frozenset[Shape],
+          goal: _Goal, thrifty: bool) -> tuple[list[Replica], _Free]:
+    """Replicas one at a time, each the best goodput per dollar the free GPUs can
+    still form: a single type's shape (``rated``, or bought: ``buy``) or a
+    cross-type pipeline. Weighed together, so that a single type cannot take the
+    GPUs a better pipeline needs (70B on 2 H100s, 8 L4s and 8 A10Gs: the H100s
+    as TP-2 rated 0.015 req/s per $/h, in a pipeline with two A10Gs 0.249)."""
+    free = _Free(inv.hosts)
+    replicas: list[Replica] = []
+    order = sorted((r for r in rated if r.capacity_rps > 0),
+                   key=lambda r: (-r.ratio, r.shape.gpus, r.shape.name))
+
+    def raise_floor(options: Iterable[Rated]) -> None:
+        if thrifty:  # only what keeps the fleet's goodput per dollar near the best
+            top = max((r.ratio for r in options), default=0.0) * (1.0 - RATIO_TOLERANCE)
+            goal.floor = max(goal.floor, top)
+
+    def fits(r: Rated) -> bool:
+        return r.shape in buy or free.take(r.shape, commit=False) is not None
+
+    raise_floor(order)
+    mixing = True  # the free GPUs only shrink: no pipeline once, none after
+    while goal.budget > 0 and goal.demand > 0:
+        mixed = [r for r in _mixed_round(free, inv, rater) if r.capacity_rps > 0] if mixing else []
+        mixing = bool(mixed)
+        raise_floor(mixed)
+        key = lambda r: (-r.ratio, r.shape.gpus, r.shape.name)  # noqa: E731
+        one = min((r for r in order if goal.wants(r) and fits(r)), key=key, default=None)
+        pipe = min((r for r in mixed if goal.wants(r) and fits(r)), key=key, default=None)
+        # A pipeline across types must beat the best single type by more than the
+        # ratings' noise, as one of a single type must beat its TP groups (_earned).
+        if pipe is not None and (one is None or pipe.ratio > one.ratio * (1 + RATIO_TOLERANCE)):
+            pick = pipe
+        elif one is not None:
+            pick = one
+        else:
+            break
+        taken = free.take(pick.shape)
+        if taken is not None:
+            replicas.append(Replica(pick, *taken))
+        else:  # bought: the inventory has no GPUs left for it
+            name = f"new-{pick.shape.stages[0].gpu.name}-{sum(x.added for x in replicas)}"
+            replicas.append(Replica(pick, (name,), (tuple(range(pick.shape.gpus)),), added=True))
+        goal.took(pick)
+    return replicas, free
 
 
 def _earned(rated: Sequence[Rated]) -> list[Rated]:
