@@ -19,7 +19,7 @@ per dollar is its replicas' ratios averaged by cost, so no formation rates
 above the inventory's best shape, and best shape / naive bounds the ratio any
 formation can reach.
 
-    python benchmarks/formation.py [--cases 6] [--seed 1] [--duration 90]
+    python benchmarks/formation.py [--cases 6] [--seed 1] [--duration 90] [--only K]
 """
 
 from __future__ import annotations
@@ -74,11 +74,15 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=6)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--duration", type=float, default=90.0)
+    ap.add_argument("--only", type=int, action="append",
+                    help="run only this case of the seed's draws (repeatable)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     summary = []
     for case in range(args.cases):
         raw, model_name, tpot = draw(rng)
+        if args.only and case not in args.only:
+            continue
         inv = parse_inventory(raw)
         model = DEFAULT_CATALOG.model(model_name)
         base = base_scenario(model.name, Slo(2.0, tpot, 0.9), inv.catalog(),
