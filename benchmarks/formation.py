@@ -87,7 +87,7 @@ def main() -> None:
         model = DEFAULT_CATALOG.model(model_name)
         base = base_scenario(model.name, Slo(2.0, tpot, 0.9), inv.catalog(),
                              duration_s=args.duration)
-        rater = Rater(base, model, 1155.0, 211.0)
+        rater = Rater(base, model, 1155.0, 211.0, inv.gpu_counts())
         hosts = ", ".join(f"{h.count}x{h.gpu.name}" for h in inv.hosts)
         print(f"case {case}: {model.name}, TPOT {tpot:g} s; {hosts}")
         t0 = time.perf_counter()

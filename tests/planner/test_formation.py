@@ -11,6 +11,7 @@ import yaml
 from tailguard.cli import main
 from tailguard.core.events import remedy
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
+from tailguard.core.pipeline import StageSpec
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
 from tailguard.gateway.config import load_fleet
@@ -20,6 +21,7 @@ from tailguard.planner.formation import (
     Rater,
     Shape,
     plan_formation,
+    single,
 )
 from tailguard.planner.inventory import exclude, parse_inventory
 from tailguard.planner.inventory_cli import engine_flags
@@ -92,6 +94,24 @@ def test_re_forming_around_a_sick_gpu() -> None:
         with pytest.raises(ConfigError) as err:
             exclude(inv, bad)
         assert err.value.field == "--exclude"
+
+
+def test_shapes_are_rated_pooled_as_the_inventory_allows() -> None:
+    """A shape is rated among as many copies as the inventory's GPUs form, up to
+    POOL_GPUS' worth: two H100s cannot pool like eight."""
+    inv = parse_inventory({"hosts": [{"name": "h1", "gpu": "H100-SXM", "count": 2},
+                                     {"name": "l1", "gpu": "L4", "count": 8},
+                                     {"name": "l2", "gpu": "L4", "count": 4}]})
+    h100, l4 = (next(h.gpu for h in inv.hosts if h.gpu.name == n) for n in ("H100-SXM", "L4"))
+    assert inv.gpu_counts() == {h100: 2, l4: 12}
+    m = CAT.model("llama-3.1-8b")
+    scn = base_scenario(m.name, Slo(2.0, 0.1, 0.9), CAT)
+    pooled, unbounded = Rater(scn, m, 1155.0, 211.0, inv.gpu_counts()), Rater(scn, m, 1155.0, 211.0)
+    mixed = Shape((StageSpec(h100, 1), StageSpec(l4, 1)), h100.price_per_hour + l4.price_per_hour)
+    for shape, copies, anywhere in ((single(h100, 1), 2, 8), (single(h100, 2), 1, 4),
+                                    (single(l4, 1), 8, 8), (single(l4, 4), 2, 2),
+                                    (single(l4, 8), 1, 1), (mixed, 2, 4)):
+        assert pooled.copies(shape) == copies and unbounded.copies(shape) == anywhere, shape.name
 
 
 def test_tp_stays_inside_one_host_and_one_type() -> None:

@@ -12,10 +12,15 @@ throughput at the SLO overrates weak shapes by up to 20x (an 8B model at a
 9.3 against 2.5),
 because queueing and prefill interference decide the tail. A shape is rated
 in a pool of POOL_GPUS GPUs' worth of copies behind a least-request balancer
-(8 TP-1 replicas, 4 TP-2, ...), its capacity per replica: rated alone, small
-replicas would lose what pooling gives them (on H200s and an 8B model, TP-2
-rated alone beat TP-1 by capacity per GPU, while the fleet of TP-1 replicas
-carried 11% more).
+(8 TP-1 replicas, 4 TP-2, ...), or of as many as the inventory holds GPUs
+for, its capacity per replica: rated alone, small replicas would lose what
+pooling gives them (on H200s and an 8B model, TP-2 rated alone beat TP-1 by
+capacity per GPU, while the fleet of TP-1 replicas carried 11% more), and a
+pool larger than the inventory's would give them what a fleet of its size
+cannot. Each probe's arrivals span the scenario's duration, as the
+measurement's (``--verify``) do: short probes overrate strong shapes (eight
+H100s, 8B at a 100 ms TPOT: 45.1 req/s each from 4.2 s of arrivals, 24.5
+from 102 s; see :mod:`tailguard.sim.capacity`).
 
 Formation, greedy by SLO goodput per dollar (capacity / $ per hour): one
 replica at a time, the best ratio that the free GPUs (best fit) can still
@@ -192,9 +197,13 @@ class Rater:
     """Rates shapes under one scenario's model, SLO and lengths (memoised)."""
 
     def __init__(self, scn: Scenario, model: Model, input_tokens: float,
-                 output_tokens: float) -> None:
+                 output_tokens: float, available: Mapping[GPU, int] | None = None) -> None:
+        """``available``: the GPUs of each type there are to form (the inventory's);
+        a shape is rated in a pool of no more copies than they hold (None: no limit,
+        as when GPUs may be bought)."""
         self.scn, self.model = scn, model
         self.input_tokens, self.output_tokens = input_tokens, output_tokens
+        self.available = available
         self._memo: dict[Shape, Rated | None] = {}
         self._rough: dict[Shape, float] = {}
 
@@ -222,15 +231,27 @@ class Rater:
                                   self.plan(perf).tokens_per_s / self.output_tokens)
         return self._rough[shape]
 
+    def copies(self, shape: Shape) -> int:
+        """How many replicas of ``shape`` it is rated pooled with (at least one)."""
+        copies = POOL_GPUS // shape.gpus
+        if self.available is not None:
+            per_replica: dict[GPU, int] = {}
+            for st in shape.stages:
+                per_replica[st.gpu] = per_replica.get(st.gpu, 0) + st.tp
+            for gpu, n in per_replica.items():
+                copies = min(copies, self.available.get(gpu, POOL_GPUS) // n)
+        return max(1, copies)
+
     def rate(self, shape: Shape) -> Rated | None:
         if shape not in self._memo:
             perf = self.perf(shape)
             rated = None
             if perf is not None:
                 plan = self.plan(perf)
-                copies = max(1, POOL_GPUS // shape.gpus)
+                copies = self.copies(shape)
                 rated = Rated(shape, perf, plan,
-                              replica_capacity(self.scn, perf, plan.engine, copies=copies))
+                              replica_capacity(self.scn, perf, plan.engine, copies=copies,
+                                               span_s=self.scn.workload.duration_s))
             self._memo[shape] = rated
         return self._memo[shape]
 

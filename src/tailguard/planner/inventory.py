@@ -56,6 +56,13 @@ class Inventory:
     def cost_per_hour(self) -> float:
         return sum(h.count * h.gpu.price_per_hour for h in self.hosts)
 
+    def gpu_counts(self) -> dict[GPU, int]:
+        """The usable GPUs of each type (a host's link makes its own type)."""
+        out: dict[GPU, int] = {}
+        for h in self.hosts:
+            out[h.gpu] = out.get(h.gpu, 0) + len(h.usable)
+        return out
+
     def catalog(self, base: Catalog = DEFAULT_CATALOG) -> Catalog:
         """``base`` with the hosts' GPU variants added (what a scenario needs)."""
         out = Catalog(tuple(base.gpus), tuple(base.models))

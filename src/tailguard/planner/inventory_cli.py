@@ -90,7 +90,9 @@ def cmd_inventory(args: argparse.Namespace) -> int:
                                         "not a trace")
     args.input_tokens = args.input_tokens or dists[0].mean()
     args.output_tokens = args.output_tokens or dists[1].mean()
-    rater = Rater(base, model, args.input_tokens, args.output_tokens)
+    # Under a budget, GPUs may be bought: shapes pool as in a fleet of any size.
+    rater = Rater(base, model, args.input_tokens, args.output_tokens,
+                  None if args.budget else inv.gpu_counts())
     progress = sys.stderr if sys.stderr.isatty() else None
     if progress:
         print("rating replica shapes in the simulator ...", file=progress, flush=True)
@@ -248,8 +250,8 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
           f"SLO TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.attainment:.0%}; "
           f"lengths {args.scenario or args.lengths} (means {args.input_tokens:.0f} in, "
           f"{args.output_tokens:.0f} out)")
-    print("replicas (SLO capacity each: the simulator's, in a pool of 8 GPUs' worth of "
-          "the shape):")
+    print("replicas (SLO capacity each: the simulator's, pooled with as many of the shape "
+          "as the inventory holds, up to 8 GPUs' worth):")
     for r in plan.replicas:
         s = r.rated.shape
         where = "to buy" if r.added else "on " + ",".join(r.hosts)
@@ -289,7 +291,10 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
         mine = checks["planned"]["rps_per_dollar_hour"]
         naive = max(c["rps_per_dollar_hour"] for n, c in checks.items() if n != "planned")
         if naive > 0:
-            print(f"  planned / best naive: {mine / naive:.2f}x goodput per dollar")
+            each = ", ".join(f"{n} {mine / c['rps_per_dollar_hour']:.2f}x" if
+                             c["rps_per_dollar_hour"] > 0 else f"{n}: serves nothing"
+                             for n, c in checks.items() if n != "planned")
+            print(f"  planned / best naive: {mine / naive:.2f}x goodput per dollar ({each})")
             if mine < naive:  # the ratings misjudged this fleet: say so, keep the plan
                 best = max((n for n in checks if n != "planned"),
                            key=lambda n: checks[n]["rps_per_dollar_hour"])

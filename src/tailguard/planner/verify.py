@@ -80,11 +80,13 @@ def plan_for_demand(inv: Inventory, rater: Rater, demand: float, base: Scenario,
                     target: float, budget: float | None = None, objective: str = "per-dollar",
                     rounds: int = 12) -> tuple[Formation, float]:
     """The cheapest formation whose measured SLO goodput carries ``demand``, and that
-    goodput. Shapes are rated in pools of 8 GPUs' worth (formation.POOL_GPUS), which
-    overrates a small fleet (two H100s planned 91.7 req/s, measured 48.2), so the
-    formation grows a replica at a time (the next in goodput per dollar) until the
-    measurement carries the demand, the inventory has nothing more to give or
-    ``rounds`` are spent."""
+    goodput. Shapes are rated each in a pool of its own kind (Rater.copies), while
+    the formation's replicas pool across kinds behind tailguard, so the ratings'
+    sum can miss the measurement either way (2 H100s and 2 A100s, 8B: 66.4 req/s
+    rated, 67.5 measured; before probes spanned the run, two H100s rated 91.7 and
+    measured 48.2). The formation therefore grows a replica at a time (the next in
+    goodput per dollar) until the measurement carries the demand, the inventory
+    has nothing more to give or ``rounds`` are spent."""
     plan = plan_formation(inv, rater, budget, demand, objective)
     got = measured_goodput(plan, base, target)
     for _ in range(rounds):

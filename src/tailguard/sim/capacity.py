@@ -14,6 +14,16 @@ queueing, batching and chunked-prefill interference all matter:
 3. bracket the capacity by doubling/halving from the roofline's rough
    throughput, then bisect to 1% of the rate.
 
+A probe of a fixed count is short at a high rate, and a short probe overrates:
+its arrivals end before the batch and the queue reach their steady state (an
+answer of 211 tokens at a 50 ms TPOT lives 10 s). Eight H100s serving an 8B
+model at a 100 ms TPOT rated 45.1 req/s each from 1500 requests (4.2 s of
+arrivals) and 24.5 from 20,000 (102 s); the fleet measured 23.8 per H100 in a
+120 s run. With ``span_s`` (what the planner rates shapes with), a probe
+takes as many requests as its rate brings in ``span_s`` seconds: the stream
+of requests grows in chunks (:class:`ProbeStream`), each probe a prefix of
+the same one, so common random numbers still hold.
+
 The fleet's **capacity bound** is the sum over nodes of their SLO capacities:
 a fleet cannot do better than every node working on its own at its limit, and
 a good router gets close because pooling only helps. ``load: 0.8`` in a
@@ -24,6 +34,7 @@ settings share one computation; results are memoised per process.
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,13 +48,58 @@ from tailguard.sim.scenario import NodePlan, Scenario, parse_scenario
 from tailguard.sim.workload import sample_lengths
 
 PROBE_REQUESTS = 1500
+# A spanned probe draws at most this many requests (its span shrinks beyond it).
+MAX_PROBE_REQUESTS = 120_000
 WARMUP_SHARE = 0.2
 PRECISION = 0.01
+# A spanned search stops at this precision: over capacity by a share e, the
+# queue grows by e x capacity a second and takes about TTFT / e seconds to
+# break the TTFT SLO, so a 90 s probe under a 2 s TTFT cannot tell rates much
+# closer than 3% apart (and each spanned probe costs its rate x span requests).
+SPANNED_PRECISION = 0.03
 IDLE_LOAD = 0.02  # arrivals x a lone request's time: nearly never two at once
 
 
-def _meets(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: Sequence[float],
-           prompts: Sequence[int], outputs: Sequence[int], copies: int, rate: float) -> bool:
+class ProbeStream:
+    """The requests capacity probes replay: unit-rate gaps and lengths, drawn in
+    chunks on demand so that every probe is a prefix of one stream.
+
+    The first chunk is ``probe_workload``'s draw (PROBE_REQUESTS), so a probe of
+    that many requests sees what an unspanned one does; chunk k after it comes
+    from its own seed. Streams are equal when their seed and first chunk are
+    (the rest follows from them), so capacities are memoised across scenarios
+    of the same workload, as they were when probes were tuples.
+    """
+
+    def __init__(self, scn: Scenario, chunk: int = PROBE_REQUESTS) -> None:
+        self._scn, self._chunk = scn, chunk
+        first = probe_workload(scn, chunk)
+        self._key = (scn.seed, *first)
+        self.gaps, self.prompts, self.outputs = list(first[0]), list(first[1]), list(first[2])
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProbeStream) and self._key == other._key
+
+    def grow(self, n: int) -> None:
+        """Draw until the stream holds at least ``n`` requests."""
+        while len(self.gaps) < n:
+            rng = random.Random(f"{self._scn.seed}:capacity:{len(self.gaps) // self._chunk}")
+            self.gaps += [rng.expovariate(1.0) for _ in range(self._chunk)]
+            prompts, outputs = sample_lengths(self._scn.workload, self._chunk, rng)
+            self.prompts += prompts
+            self.outputs += outputs
+
+
+def _meets(perf: PerfModel, engine: EngineConfig, slo: Slo, stream: ProbeStream, copies: int,
+           span_s: float | None, rate: float) -> bool:
+    n = PROBE_REQUESTS
+    if span_s is not None:
+        n = min(MAX_PROBE_REQUESTS, max(n, math.ceil(rate * copies * span_s)))
+        stream.grow(n)
+    gaps, prompts, outputs = stream.gaps[:n], stream.prompts[:n], stream.outputs[:n]
     t = 0.0
     arrivals = []
     for g in gaps:
@@ -57,10 +113,12 @@ def _meets(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: Sequence[float
 
 
 @functools.lru_cache(maxsize=256)
-def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float, ...],
-              prompts: tuple[int, ...], outputs: tuple[int, ...], copies: int = 1) -> float:
+def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, stream: ProbeStream,
+              copies: int = 1, span_s: float | None = None) -> float:
     # ``copies`` > 1: the capacity per node of that many alike behind a
     # least-request balancer (pooling lets each carry more than alone).
+    # ``span_s``: each probe's arrivals span at least that long (module docstring).
+    prompts, outputs = stream.prompts[:PROBE_REQUESTS], stream.outputs[:PROBE_REQUESTS]
     # A node that cannot prefill enough of the prompts within the TTFT even when
     # idle has no SLO capacity: say so now. The search would halve its rate
     # down to 1e-4 req/s, and a probe's simulated time (its ticks) grows as the
@@ -82,9 +140,14 @@ def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float
         return 0.0
     mean_out = sum(outputs) / len(outputs)
     mean_in = sum(prompts) / len(prompts)
-    # Rough start: a request's prefill plus its share of a batch-16 decode.
+    # Rough start: a request's prefill plus its share of a batch-16 decode; for a
+    # spanned search, the short probes' capacity (they overrate, and cost little).
     guess = 1.0 / (perf.prefill_time(int(mean_in)) + mean_out * perf.decode_step(16, mean_in) / 16)
-    meets = functools.partial(_meets, perf, engine, slo, gaps, prompts, outputs, copies)
+    if span_s is not None:
+        guess = _capacity(perf, engine, slo, stream, copies)
+        if guess <= 0.0:
+            return 0.0
+    meets = functools.partial(_meets, perf, engine, slo, stream, copies, span_s)
     lo, hi = 0.0, guess
     if meets(hi):
         lo = hi
@@ -107,7 +170,8 @@ def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, gaps: tuple[float
                 lo = hi_new
                 break
             hi = hi_new
-    while hi - lo > PRECISION * lo:
+    precision = PRECISION if span_s is None else SPANNED_PRECISION
+    while hi - lo > precision * lo:
         mid = (lo + hi) / 2.0
         if meets(mid):
             lo = mid
@@ -124,28 +188,27 @@ def probe_workload(scn: Scenario, n: int = PROBE_REQUESTS) -> tuple[
     return gaps, tuple(prompts), tuple(outputs)
 
 
-def node_capacity(scn: Scenario, plan: NodePlan, n: int = PROBE_REQUESTS) -> float:
+def node_capacity(scn: Scenario, plan: NodePlan) -> float:
     """SLO capacity (req/s) of one node at nominal speed (card spread and faults excluded)."""
-    gaps, prompts, outputs = probe_workload(scn, n)
-    return _capacity(plan.perf, plan.engine, scn.slo, gaps, prompts, outputs)
+    return _capacity(plan.perf, plan.engine, scn.slo, ProbeStream(scn))
 
 
-def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig,
-                     n: int = PROBE_REQUESTS, copies: int = 1) -> float:
+def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig, copies: int = 1,
+                     span_s: float | None = None) -> float:
     """SLO capacity (req/s) of a replica that is not (yet) in the scenario's fleet,
     under the scenario's SLO and lengths (what the planner weighs formations by);
-    with ``copies``, per replica of that many pooled behind least-request."""
-    gaps, prompts, outputs = probe_workload(scn, n)
-    return _capacity(perf, engine, scn.slo, gaps, prompts, outputs, copies)
+    with ``copies``, per replica of that many pooled behind least-request; with
+    ``span_s``, from probes whose arrivals span that long at every rate."""
+    return _capacity(perf, engine, scn.slo, ProbeStream(scn), copies, span_s)
 
 
-def fleet_capacity(scn: Scenario, n: int = PROBE_REQUESTS,
+def fleet_capacity(scn: Scenario,
                    progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
     """Each node's SLO capacity by node id; ``progress(done, total, node)`` after each."""
     plans = scn.nodes()
     out = {}
     for i, plan in enumerate(plans):
-        out[plan.id] = node_capacity(scn, plan, n)
+        out[plan.id] = node_capacity(scn, plan)
         if progress is not None:
             progress(i + 1, len(plans), plan.id)
     return out

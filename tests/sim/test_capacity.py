@@ -1,0 +1,51 @@
+"""SLO capacity probes: common random numbers, and probes long enough to mean it."""
+
+from __future__ import annotations
+
+from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
+from tailguard.core.policies import Slo
+from tailguard.planner.plan import engine_plan
+from tailguard.planner.verify import base_scenario
+from tailguard.sim.capacity import (
+    PROBE_REQUESTS,
+    ProbeStream,
+    _meets,
+    probe_workload,
+    replica_capacity,
+)
+
+MODEL = DEFAULT_CATALOG.model("llama-3.1-8b")
+SLO = Slo(2.0, 0.1, 0.9)
+
+
+def test_a_probe_stream_grows_as_one_prefix_and_compares_by_its_draws() -> None:
+    scn = base_scenario(MODEL.name, SLO, DEFAULT_CATALOG)
+    stream = ProbeStream(scn)
+    gaps, prompts, outputs = probe_workload(scn)
+    assert (stream.gaps, stream.prompts, stream.outputs) == (list(gaps), list(prompts),
+                                                             list(outputs))
+    stream.grow(PROBE_REQUESTS * 2 + 1)
+    assert len(stream.gaps) == len(stream.prompts) == len(stream.outputs) == PROBE_REQUESTS * 3
+    assert stream.gaps[:PROBE_REQUESTS] == list(gaps)
+    other = ProbeStream(scn)  # another scenario object of the same workload: the same stream
+    assert other == stream and hash(other) == hash(stream)
+    other.grow(PROBE_REQUESTS * 3)
+    assert (other.gaps, other.prompts) == (stream.gaps, stream.prompts)
+    assert ProbeStream(base_scenario(MODEL.name, SLO, DEFAULT_CATALOG, seed=2)) != stream
+
+
+def test_short_probes_overrate_a_fast_pool_and_spanned_ones_hold_over_a_long_run() -> None:
+    """Two H100s serving an 8B model carry ~55 req/s: 1500 requests are 27 s of
+    arrivals, too few for the batch and the queue to settle (an answer lives ~20 s
+    at a 100 ms TPOT). A 120 s run at the short probes' rate misses the target; at
+    the rate of probes spanning 120 s it holds (as a measurement of that length
+    will: the planner spans its probes as long as --verify runs)."""
+    scn = base_scenario(MODEL.name, SLO, DEFAULT_CATALOG)
+    perf = PerfModel(DEFAULT_CATALOG.gpu("H100-SXM"), MODEL, 1)
+    engine = engine_plan(perf, SLO.tpot_s, 1155.0, 211.0).engine
+    short = replica_capacity(scn, perf, engine, copies=2)
+    spanned = replica_capacity(scn, perf, engine, copies=2, span_s=120.0)
+    assert spanned < 0.95 * short, (spanned, short)
+    stream = ProbeStream(scn)
+    assert not _meets(perf, engine, SLO, stream, 2, 120.0, short)
+    assert _meets(perf, engine, SLO, stream, 2, 120.0, spanned)
