@@ -269,8 +269,8 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
         print(f"  {name:<24} {int(c['replicas']):3d} replicas {c['goodput_rps']:8.2f} req/s "
               f"({c['share']:.0%})  ${c['cost_per_hour']:7.2f}/h  ${usd:.2f} per M output tokens")
     usd = usd_per_million_tokens(plan.cost_per_hour, plan.goodput_rps, out_tokens)
-    print(f"fleet: {plan.goodput_rps:.2f} req/s on {plan.gpus} GPUs (the capacities' sum; a "
-          f"small fleet pools less: --verify measures it), ${plan.cost_per_hour:.2f}/h, "
+    print(f"fleet: {plan.goodput_rps:.2f} req/s on {plan.gpus} GPUs (the capacities' sum; "
+          f"--verify measures the fleet), ${plan.cost_per_hour:.2f}/h, "
           f"${usd:.2f} per M output tokens")
     if args.rate:
         got = measured or 0.0
