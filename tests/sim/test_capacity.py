@@ -7,12 +7,15 @@ from tailguard.core.policies import Slo
 from tailguard.planner.plan import engine_plan
 from tailguard.planner.verify import base_scenario
 from tailguard.sim.capacity import (
+    NODE_SPAN_S,
     PROBE_REQUESTS,
     ProbeStream,
     _meets,
+    node_capacity,
     probe_workload,
     replica_capacity,
 )
+from tailguard.sim.scenario import NodePlan
 
 MODEL = DEFAULT_CATALOG.model("llama-3.1-8b")
 SLO = Slo(2.0, 0.1, 0.9)
@@ -49,3 +52,21 @@ def test_short_probes_overrate_a_fast_pool_and_spanned_ones_hold_over_a_long_run
     stream = ProbeStream(scn)
     assert not _meets(perf, engine, SLO, stream, 2, 120.0, short)
     assert _meets(perf, engine, SLO, stream, 2, 120.0, spanned)
+
+
+def test_a_nodes_capacity_is_probed_over_node_span_s_and_unchanged_where_1500_requests_span_it() -> None:
+    """The capacity bound (what ``load:`` is a share of): a 3B model on one B200
+    carries ~130 req/s, where 1500 requests are 7 s of arrivals; an 8B model on one
+    A100 ~7 req/s, where they span minutes and the bound stays what it was."""
+    def capacities(model: str, gpu: str, tpot: float) -> tuple[float, float]:
+        m = DEFAULT_CATALOG.model(model)
+        scn = base_scenario(m.name, Slo(2.0, tpot, 0.9), DEFAULT_CATALOG)
+        perf = PerfModel(DEFAULT_CATALOG.gpu(gpu), m, 1)
+        engine = engine_plan(perf, tpot, 1155.0, 211.0).engine
+        node = node_capacity(scn, NodePlan("n", 0, perf, engine))
+        return replica_capacity(scn, perf, engine), node
+
+    short, node = capacities("llama-3.1-8b", "A100-80GB", 0.1)
+    assert node == short and PROBE_REQUESTS / short > NODE_SPAN_S
+    short, node = capacities("llama-3.2-3b", "B200", 0.05)
+    assert node < 0.8 * short, (node, short)
