@@ -250,8 +250,9 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
           f"SLO TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.attainment:.0%}; "
           f"lengths {args.scenario or args.lengths} (means {args.input_tokens:.0f} in, "
           f"{args.output_tokens:.0f} out)")
-    print("replicas (SLO capacity each: the simulator's, pooled with as many of the shape "
-          "as the inventory holds, up to 8 GPUs' worth):")
+    pool = ("8 GPUs' worth of the shape (--budget may buy more)" if args.budget else
+            "as many of the shape as the inventory holds, up to 8 GPUs' worth")
+    print(f"replicas (SLO capacity each: the simulator's, pooled with {pool}):")
     for r in plan.replicas:
         s = r.rated.shape
         where = "to buy" if r.added else "on " + ",".join(r.hosts)
