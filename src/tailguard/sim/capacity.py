@@ -26,8 +26,8 @@ the same one, so common random numbers still hold. A node's own capacity
 (the fleet's capacity bound) is probed so over at least NODE_SPAN_S: a 3B
 model on one B200 at a 50 ms TPOT rated 210.4 req/s from 1500 requests (7 s
 of arrivals), 131.5 over 60 s and 128.2 over 120 s, so ``load: 0.8`` offered
-it 1.3x what it carries. Where the 1500 requests already span that long at the capacity
-they find (an 8B model on one H100: 63 s), nothing changes.
+it 1.3x what it carries. Where the 1500 requests already span that long at
+the capacity they find (an 8B model on one H100: 63 s), nothing changes.
 
 The fleet's **capacity bound** is the sum over nodes of their SLO capacities:
 a fleet cannot do better than every node working on its own at its limit, and
@@ -77,7 +77,9 @@ class ProbeStream:
     that many requests sees what an unspanned one does; chunk k after it comes
     from its own seed. Streams are equal when their seed and first chunk are
     (the rest follows from them), so capacities are memoised across scenarios
-    of the same workload, as they were when probes were tuples.
+    of the same workload, as they were when probes were tuples; ``shared``
+    hands every caller of one workload the same stream, so its chunks are
+    drawn and held once.
     """
 
     def __init__(self, scn: Scenario, chunk: int = PROBE_REQUESTS) -> None:
@@ -92,6 +94,17 @@ class ProbeStream:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProbeStream) and self._key == other._key
 
+    @classmethod
+    def shared(cls, scn: Scenario) -> ProbeStream:
+        """The stream of ``scn``'s workload that earlier callers grew (a new one if none)."""
+        stream = cls(scn)
+        kept = _STREAMS.get(stream)
+        if kept is None:
+            if len(_STREAMS) >= MAX_SHARED_STREAMS:
+                _STREAMS.clear()  # capacities memoised on them keep their own
+            kept = _STREAMS[stream] = stream
+        return kept
+
     def grow(self, n: int) -> None:
         """Draw until the stream holds at least ``n`` requests."""
         while len(self.gaps) < n:
@@ -100,6 +113,10 @@ class ProbeStream:
             prompts, outputs = sample_lengths(self._scn.workload, self._chunk, rng)
             self.prompts += prompts
             self.outputs += outputs
+
+
+_STREAMS: dict[ProbeStream, ProbeStream] = {}
+MAX_SHARED_STREAMS = 16
 
 
 def _meets(perf: PerfModel, engine: EngineConfig, slo: Slo, stream: ProbeStream, copies: int,
@@ -149,10 +166,10 @@ def _capacity(perf: PerfModel, engine: EngineConfig, slo: Slo, stream: ProbeStre
         return 0.0
     mean_out = sum(outputs) / len(outputs)
     mean_in = sum(prompts) / len(prompts)
-    # Rough start: a request's prefill plus its share of a batch-16 decode; for a
-    # spanned search, the short probes' capacity (they overrate, and cost little).
-    guess = 1.0 / (perf.prefill_time(int(mean_in)) + mean_out * perf.decode_step(16, mean_in) / 16)
-    if span_s is not None:
+    if span_s is None:  # rough start: a request's prefill and its share of a batch-16 decode
+        guess = 1.0 / (perf.prefill_time(int(mean_in))
+                       + mean_out * perf.decode_step(16, mean_in) / 16)
+    else:  # the short probes' capacity: it overrates, and costs little
         guess = _capacity(perf, engine, slo, stream, copies)
         if guess <= 0.0 or guess * copies * span_s <= PROBE_REQUESTS:
             return guess  # the short probes spanned as long at that rate already
@@ -200,7 +217,7 @@ def probe_workload(scn: Scenario, n: int = PROBE_REQUESTS) -> tuple[
 def node_capacity(scn: Scenario, plan: NodePlan) -> float:
     """SLO capacity (req/s) of one node at nominal speed (card spread and faults excluded),
     from probes spanning at least NODE_SPAN_S."""
-    return _capacity(plan.perf, plan.engine, scn.slo, ProbeStream(scn), 1, NODE_SPAN_S)
+    return _capacity(plan.perf, plan.engine, scn.slo, ProbeStream.shared(scn), 1, NODE_SPAN_S)
 
 
 def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig, copies: int = 1,
@@ -209,7 +226,7 @@ def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig, copie
     under the scenario's SLO and lengths (what the planner weighs formations by);
     with ``copies``, per replica of that many pooled behind least-request; with
     ``span_s``, from probes whose arrivals span that long at every rate."""
-    return _capacity(perf, engine, scn.slo, ProbeStream(scn), copies, span_s)
+    return _capacity(perf, engine, scn.slo, ProbeStream.shared(scn), copies, span_s)
 
 
 def fleet_capacity(scn: Scenario,
