@@ -106,6 +106,7 @@ class Balancer:
         # (node, sequences decoding, context / 64) -> the TPOT target's prefill chunk
         self._chunk_cache: ChunkCache = {}
         self._ledger = shared.PeerLedger()  # the other replicas' last counters
+        self._priors: dict[tuple[object, ...], PerfModel] = {}
         # Called (no arguments) when queue decisions await poll_queue: lets an
         # event-loop driver wake its queued requests without polling.
         self.on_queue_decision: Callable[[], None] | None = None
@@ -161,13 +162,22 @@ class Balancer:
         if model is None:
             model = self.catalog.model(FALLBACK_MODEL)
         gpu = spec.gpu or self.catalog.gpu(FALLBACK_GPU)
+        # Nodes of one shape share one (immutable) prior: the router prices a shape
+        # once per request, not once per node (policies/tailguard.py).
+        key = (gpu, model, spec.tp, repr(spec.layout))  # a layout may hold a list
+        perf = self._priors.get(key)
+        if perf is not None:
+            return perf
         if spec.layout is not None:
-            return PipelinePerf(gpu, model, spec.tp, self.perf_params, layout=spec.layout)
-        perf = PerfModel(gpu, model, spec.tp, self.perf_params)
-        if not perf.fits:
-            # The engine evidently runs it (quantised, offloaded...): keep the
-            # shape of the prior and let measurements set its scale.
-            perf = PerfModel(gpu, self.catalog.model("llama-3.2-3b"), spec.tp, self.perf_params)
+            perf = PipelinePerf(gpu, model, spec.tp, self.perf_params, layout=spec.layout)
+        else:
+            perf = PerfModel(gpu, model, spec.tp, self.perf_params)
+            if not perf.fits:
+                # The engine evidently runs it (quantised, offloaded...): keep the
+                # shape of the prior and let measurements set its scale.
+                perf = PerfModel(gpu, self.catalog.model("llama-3.2-3b"), spec.tp,
+                                 self.perf_params)
+        self._priors[key] = perf
         return perf
 
     def add_node(self, spec: NodeSpec) -> Node:

@@ -80,6 +80,7 @@ from random import Random
 from typing import Any
 
 from tailguard.core.fleet import NodeView
+from tailguard.core.hardware import PerfModel
 from tailguard.core.policies.base import RequestInfo, Slo
 from tailguard.core.predict import (
     decode_step_s,
@@ -125,10 +126,9 @@ class TailguardPolicy:
     ) -> str | None:
         """The candidate of least predicted cost (the class docstring's model).
 
-        Size (about 85 lines, over the ~80 guide): the loop over the candidates is
-        the hot path of every routing decision (64 nodes a request in
-        ``benchmarks/sim_speed.py``), so each node's estimate stays inline rather
-        than behind a method call per node.
+        The loop over the candidates is every routing decision's hot path, so
+        each node's estimate stays inline, and what its hardware alone decides
+        comes from :class:`_Quotes` (computed once per GPU type, not per node).
         """
         if not nodes:
             return None
@@ -141,7 +141,7 @@ class TailguardPolicy:
             out = float(req.max_tokens)
         out = max(out, 1.0)
         ctx = req.mean_prompt + out * 0.5
-        footprint = req.mean_prompt + out
+        quotes = _Quotes(prompt, ctx, req.mean_prompt + out)
         ttft_weight = self.ttft_weight
         if ttft_weight is None:
             ttft_weight = out * self.slo.tpot_s / self.slo.ttft_s
@@ -154,13 +154,22 @@ class TailguardPolicy:
         top = min(max(cached.values()), prompt - 1) if cached else 0
         best_id: str | None = None
         best = float("inf")
+        shapes = quotes.by_perf
         for n in cands:
-            perf = n.perf
-            batch = n.fleet_in_flight + 1
-            running = running_batch(perf, n.slots, batch, footprint)
+            q = shapes.get(id(n.perf))
+            if q is None or q.slots != n.slots:
+                q = quotes.of(n.perf, n.slots)
+            if n.remote_ratio == 0.0:  # one gateway: the fleet's counts are its own
+                batch, backlog = n.in_flight + 1, n.prefill_backlog
+            else:
+                batch, backlog = n.fleet_in_flight + 1, n.fleet_backlog
+            running = batch if batch <= q.cap else q.cap
             pslow = n.class_prefill_slowdown
             dslow = n.class_decode_slowdown
-            tpot = decode_step_s(perf, running, ctx) * dslow
+            step = q.steps.get(running)
+            if step is None:
+                step = q.step(running)
+            tpot = step * dslow
             check = tpot
             duty = n.duty
             if duty > 0.0:
@@ -169,20 +178,25 @@ class TailguardPolicy:
                 # The cap (a step that always carries a chunk) is only looked up
                 # where it can bind: a prompt riding in a step's spare compute
                 # adds little work, so a low duty never stretches past it.
-                tpot = interleaved_tpot(tpot, duty, saturated_step_s(perf, running, ctx) * dslow
+                tpot = interleaved_tpot(tpot, duty, q.saturated(running) * dslow
                                         if duty > _CAP_DUTY else math.inf)
                 # How unlucky this answer may be: the prompt work landing in its
                 # decode (out * tpot seconds) is a Poisson sum of prompts, whose
                 # spread over its tokens the SLO check adds.
                 check = tpot + _SPREAD_Z * math.sqrt(n.duty_sq * scale * pslow * tpot / out)
-            # A prefix the node holds is prefill it need not do.
-            work = prompt - min(cached.get(n.id, 0), prompt - 1) if cached else prompt
-            wait = n.fleet_backlog * prefill_token_s(perf) * pslow
+            ptok = q.token_s
+            wait = backlog * ptok * pslow
             if now > n.overdue_at:
                 # A node silent past its oldest prompt's due time (stalled) holds
                 # a new prompt at least that much longer (Node.overdue_s).
                 wait += n.overdue_s(now)
-            ttft = wait + prefill_s(perf, 0, work) * pslow + tpot
+            if cached:
+                # A prefix the node holds is prefill it need not do.
+                work = prompt - min(cached.get(n.id, 0), prompt - 1)
+                own = q.prefill if work == prompt else prefill_s(n.perf, 0, work)
+            else:
+                work, own = prompt, q.prefill
+            ttft = wait + own * pslow + tpot
             if batch > running:
                 # Queued in the engine: wait for (batch - running) of the running
                 # requests to finish; they complete at about running per service time.
@@ -192,7 +206,7 @@ class TailguardPolicy:
             if top:
                 # Placed away from the best holder, the prompt's extra prefill delays
                 # whoever queues behind it here, as a backlog of that size would.
-                wait += (work - (prompt - top)) * prefill_token_s(perf) * pslow
+                wait += (work - (prompt - top)) * ptok * pslow
             cost = (ttft_weight * (ttft + queue_weight * wait) + out * tpot) / n.weight_scale
             excess = 0.0
             if ttft > ttft_limit:
@@ -210,3 +224,51 @@ class TailguardPolicy:
             if cost < best:
                 best, best_id = cost, n.id
         return best_id
+
+
+class _Quote:
+    """What one engine shape (a PerfModel with a slot count) predicts for one request,
+    whatever its load: the running-batch cap, the prompt's own prefill, the
+    per-token cost of a backlog, and decode steps by running batch as asked."""
+
+    __slots__ = ("cap", "ctx", "perf", "prefill", "slots", "steps", "token_s")
+
+    def __init__(self, perf: PerfModel, slots: int, prompt: int, ctx: float,
+                 footprint: float) -> None:
+        self.perf = perf
+        self.slots = slots
+        self.ctx = ctx
+        self.cap = running_batch(perf, slots, slots, footprint)
+        self.token_s = prefill_token_s(perf)
+        self.prefill = prefill_s(perf, 0, prompt)
+        self.steps: dict[int, float] = {}
+
+    def step(self, running: int) -> float:
+        s = self.steps[running] = decode_step_s(self.perf, running, self.ctx)
+        return s
+
+    def saturated(self, running: int) -> float:
+        return saturated_step_s(self.perf, running, self.ctx)
+
+
+class _Quotes:
+    """The request's :class:`_Quote` per engine shape: nodes of one GPU type share
+    their PerfModel (``Balancer`` builds one per shape), so a 64-node fleet of
+    three types computes three."""
+
+    __slots__ = ("by_perf", "ctx", "footprint", "prompt", "quotes")
+
+    def __init__(self, prompt: int, ctx: float, footprint: float) -> None:
+        self.prompt, self.ctx, self.footprint = prompt, ctx, footprint
+        self.quotes: dict[tuple[int, int], _Quote] = {}
+        # id(perf) -> the quote last asked for with that perf (the fast path when
+        # a shape's nodes have one slot count, as they mostly do)
+        self.by_perf: dict[int, _Quote] = {}
+
+    def of(self, perf: PerfModel, slots: int) -> _Quote:
+        key = (id(perf), slots)
+        q = self.quotes.get(key)
+        if q is None:
+            q = self.quotes[key] = _Quote(perf, slots, self.prompt, self.ctx, self.footprint)
+        self.by_perf[key[0]] = q
+        return q
