@@ -13,20 +13,16 @@ once (``on_finish`` a second time is ignored and counted), whatever the ending
 (success, upstream error, timeout, client disconnect). Pools are keyed by the
 model name clients send; each has its own policy and SLO.
 
-The facade stays thin; the work lives beside it: ``core/pool.py`` (pools and
-tickets), ``core/measure.py`` (what a first token, a stream report or a finish
-teaches the estimators and the detector), ``core/queueing.py`` (the admission
-queue: admit, poll, drain, shed) and ``core/limit_plan.py`` (each node's planned
-limiter). Recording wraps the public entry points here, so nested calls are
-never recorded twice.
-
-Size (about 510 lines, over the ~400 guide): the Balancer is the core's one
-facade. Its public methods are the documented inputs and reads of the core
-(pools and nodes, pick / rank / take / admit, the request's first token,
-progress and finish, the queue, the engines' metrics, the tick), most a few
-lines that delegate to the modules above, beside the few private helpers
-they share. Splitting it further would scatter the list of what a driver may
-tell the core.
+The facade wires the components and records: :class:`~tailguard.core.pool.Pool`
+(a model's nodes, policy and statistics) and its tickets,
+:class:`~tailguard.core.learner.Learner` (what a first token, a stream report
+or a finish teaches the estimators and the detector, and each permit's
+release), :class:`~tailguard.core.queueing.Admission` (the queues: admit,
+poll, drain, shed, presumed prefills), :class:`~tailguard.core.shared.Peers`
+(the other gateway replicas) and the outlier detector. None of them calls
+the recorder: recording wraps the public entry points here, so a call made
+inside another (a queue drain picking a node) is recorded once, as part of
+the outer one.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from random import Random
 from typing import Any
 
-from tailguard.core import measure, queueing, shared
 from tailguard.core.admission import Shed, Waiter
 from tailguard.core.events import Event as Event  # re-exported: drivers import it here
 from tailguard.core.fleet import (
@@ -50,10 +45,10 @@ from tailguard.core.fleet import (
     Outcome,
 )
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
+from tailguard.core.learner import Learner
 from tailguard.core.limit_plan import node_limiter
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.pipeline import PipelinePerf
-from tailguard.core.placement import ChunkCache
 from tailguard.core.policies import RequestInfo, make_policy
 from tailguard.core.pool import (
     PREFIX_BLOCK_TOKENS as PREFIX_BLOCK_TOKENS,
@@ -66,8 +61,9 @@ from tailguard.core.predict import (
     prefill_extra_s,
     running_batch,
 )
+from tailguard.core.queueing import Admission, Decision
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
-from tailguard.core.shared import merged_speed
+from tailguard.core.shared import Peers, merged_speed
 from tailguard.errors import ConfigError
 
 # When the pool's model (or a node's GPU) is not in the catalog, the prior has
@@ -97,19 +93,11 @@ class Balancer:
         self.recorder = recorder
         self.pools: dict[str, Pool] = {}
         self.nodes: dict[str, Node] = {}
-        self.double_release = 0  # on_finish for an already released ticket
         self._ticket_seq = 0
-        self._waiter_seq = 0
-        # Non-streamed tickets by the time their prompt is presumed prefilled.
-        self._presumed: list[tuple[float, int, Ticket]] = []
-        self._queue_decisions: list[tuple[Waiter, Ticket | Shed]] = []
-        # (node, sequences decoding, context / 64) -> the TPOT target's prefill chunk
-        self._chunk_cache: ChunkCache = {}
-        self._ledger = shared.PeerLedger()  # the other replicas' last counters
+        self.admission = Admission(self.pools, self._pick)
+        self.learner = Learner(self.outliers, self.admission)
+        self.peers = Peers(self.nodes, self.pools, self.outliers)
         self._priors: dict[tuple[object, ...], PerfModel] = {}
-        # Called (no arguments) when queue decisions await poll_queue: lets an
-        # event-loop driver wake its queued requests without polling.
-        self.on_queue_decision: Callable[[], None] | None = None
         if recorder is not None:
             recorder(record_init(rng, perf_params, cfg))
         for pc in pools:
@@ -145,7 +133,7 @@ class Balancer:
             if old.prefix is not None and old.prefix.block_tokens == config.prefix_block_tokens:
                 pool.prefix = old.prefix  # the engines' caches did not change
             pool.invalidate()
-            queueing.carry_admission(self, old, pool)
+            self.admission.carry(old, pool)
         return pool
 
     def pool_for(self, model: str) -> Pool | None:
@@ -270,7 +258,7 @@ class Balancer:
               session: str | None) -> Ticket | None:
         """:meth:`pick` unrecorded: admit and the queue record the picks they make
         as part of their own decisions."""
-        queueing.settle_presumed(self, now)
+        self.admission.settle(now)
         pool = self.pools.get(model)
         if pool is None:
             return None
@@ -386,32 +374,74 @@ class Balancer:
         pool.mean_prompt += (prompt_tokens - pool.mean_prompt) * 0.01
         return ticket
 
-    # -- what each request teaches (core/measure.py) -----------------------------
+    # -- what each request teaches (core/learner.py) -----------------------------
 
     def on_first_token(self, ticket: Ticket, now: float, *, defer_prefill: bool = False) -> None:
-        """The request's first token arrived (see :func:`measure.first_token`)."""
-        measure.first_token(self, ticket, now, defer_prefill=defer_prefill)
+        """The request's first token arrived (see :meth:`Learner.first_token`)."""
+        took = self.learner.first_token(ticket, now, defer_prefill=defer_prefill)
+        if took and self.recorder is not None:
+            rec: dict[str, Any] = {"t": now, "op": "first_token", "ticket": ticket.id}
+            if defer_prefill:
+                rec["defer"] = True
+            self.recorder(rec)
 
     def on_finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int, *,
                   judged: bool = True, timed: bool = True,
                   cached_tokens: int | None = None) -> None:
         """The request ended, whatever the ending: its permit is released once
-        (see :func:`measure.finish`)."""
-        measure.finish(self, ticket, now, outcome, output_tokens, judged=judged, timed=timed,
-                       cached_tokens=cached_tokens)
+        (see :meth:`Learner.finish`)."""
+        if self.recorder is not None:
+            rec: dict[str, Any] = {"t": now, "op": "finish", "ticket": ticket.id,
+                                   "outcome": outcome.value, "output_tokens": output_tokens}
+            if not judged:
+                rec["judged"] = False
+            if not timed:
+                rec["timed"] = False
+            if cached_tokens is not None:
+                rec["cached_tokens"] = cached_tokens
+            self.recorder(rec)
+        self.learner.finish(ticket, now, outcome, output_tokens, judged=judged, timed=timed,
+                            cached_tokens=cached_tokens)
 
     def on_stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
-        """A stream's tokens so far (see :func:`measure.stream_progress`)."""
-        return measure.stream_progress(self, ticket, tokens, now)
+        """A stream's tokens so far (see :meth:`Learner.stream_progress`); only the
+        calls that judge a piece change anything, so only those are recorded."""
+        judged_to = ticket.seg_t
+        due = self.learner.stream_progress(ticket, tokens, now)
+        if ticket.seg_t != judged_to and self.recorder is not None:
+            self.recorder({"t": now, "op": "progress", "ticket": ticket.id, "tokens": tokens})
+        return due
 
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
-        """A node failure seen outside any ticket (see :func:`measure.blame`)."""
-        measure.blame(self, node_id, outcome, now)
+        """A node failure seen outside any ticket (see :meth:`Learner.blame`)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "blame", "node": node_id, "outcome": outcome.value})
+        self.learner.blame(node, outcome, now)
 
     def expect_no_first_token(self, ticket: Ticket, now: float) -> None:
         """A non-streamed request: its prompt is presumed prefilled when due
-        (see :func:`queueing.no_first_token`)."""
-        queueing.no_first_token(self, ticket, now)
+        (see :meth:`Admission.expect_no_first_token`)."""
+        took = self.admission.expect_no_first_token(ticket, now)
+        if took and self.recorder is not None:
+            self.recorder({"t": now, "op": "no_first_token", "ticket": ticket.id})
+
+    @property
+    def double_release(self) -> int:
+        """Finishes told for a ticket already released (each ignored)."""
+        return self.learner.double_release
+
+    @property
+    def on_queue_decision(self) -> Callable[[], None] | None:
+        """Called (no arguments) when queue decisions await :meth:`poll_queue`: lets an
+        event-loop driver wake its queued requests without polling."""
+        return self.admission.on_decision
+
+    @on_queue_decision.setter
+    def on_queue_decision(self, callback: Callable[[], None] | None) -> None:
+        self.admission.on_decision = callback
 
     # -- concurrency limits and the admission queue (core/limits.py, admission.py) --
 
@@ -430,22 +460,28 @@ class Balancer:
         session: str | None = None,
     ) -> Ticket | Waiter | Shed | None:
         """A Ticket (dispatched now), a Waiter (queued), a Shed (answer 429 now)
-        or None (no routable node): see :func:`queueing.admit`."""
-        got = queueing.admit(self, model, prompt_tokens, now, max_tokens, priority, exclude,
-                             ttft_s, size_bytes, payload, prefix, session)
+        or None (no routable node): see :meth:`Admission.admit`."""
+        got = self.admission.admit(model, prompt_tokens, now, max_tokens, priority, exclude,
+                                   ttft_s, size_bytes, payload, prefix, session)
         if self.recorder is not None:
             self._record("admit", now, model, prompt_tokens, max_tokens, priority, exclude,
                          prefix, session, ttft_s=ttft_s, size_bytes=size_bytes,
                          result=decision_dict(got))
         return got
 
-    def poll_queue(self, now: float) -> list[tuple[Waiter, Ticket | Shed]]:
-        """Queue decisions since the last call (see :func:`queueing.poll_queue`)."""
-        return queueing.poll_queue(self, now)
+    def poll_queue(self, now: float) -> list[Decision]:
+        """Queue decisions since the last call (see :meth:`Admission.poll`)."""
+        out = self.admission.poll(now)
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "poll_queue", "decisions": [
+                {"waiter": w.wid, **decision_dict(d)} for w, d in out]})
+        return out
 
     def cancel_queued(self, waiter: Waiter) -> bool:
         """The client left while queued: False if no longer queued."""
-        return queueing.cancel_queued(self, waiter)
+        if self.recorder is not None:
+            self.recorder({"op": "cancel_queued", "waiter": waiter.wid})
+        return self.admission.cancel(waiter)
 
     def on_engine_metrics(
         self, node_id: str, now: float, running: int, waiting: int, kv_usage: float
@@ -467,14 +503,14 @@ class Balancer:
         replica decides node states. Returns the state changes taken from the leader."""
         if self.recorder is not None:
             self.recorder({"t": now, "op": "peers", "reports": reports, "leader": leader})
-        events = shared.merge(self, now, reports, leader, self._ledger)
+        events = self.peers.merge(now, reports, leader)
         if events and self.recorder is not None:
             self.recorder({"t": now, "op": "events", "events": [event_to_dict(e) for e in events]})
         return events
 
     def report(self, now: float, leader: bool) -> dict[str, Any]:
         """What this replica tells the others (``core/shared.py``); changes nothing."""
-        return shared.report(self, now, leader)
+        return self.peers.report(now, leader)
 
     def tick(self, now: float) -> list[Event]:
         """Periodic work; returns the events it produced (state changes)."""
@@ -487,7 +523,7 @@ class Balancer:
         return events
 
     def _tick(self, now: float) -> list[Event]:
-        queueing.settle_presumed(self, now)
+        self.admission.settle(now)
         for node in self.nodes.values():
             node.decay_duty(now)
         self._refresh_class_slowdowns()

@@ -8,14 +8,11 @@ it may receive and must carry out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from tailguard.core.admission import Shed, Waiter
 from tailguard.core.balancer import Ticket
 from tailguard.core.fleet import Outcome
-
-if TYPE_CHECKING:
-    pass
 
 RETRY_AFTER_S = "1"  # Retry-After of a 503 when no node can take the request
 

@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from tailguard.core.fleet import Node
+from tailguard.core.pool import Pool
 from tailguard.core.predict import prefill_s
-
-if TYPE_CHECKING:
-    from tailguard.core.balancer import Pool
 
 # Share of each node's concurrency limit and of the TTFT budget that requests
 # of priority high, normal, low may use when their pool has a queue.

@@ -1,0 +1,268 @@
+"""The learner: what each answer teaches (first token, stream progress, finish),
+the outlier detector's samples, and each permit's release to its limiter.
+
+:class:`Learner` turns a ticket's events into the node's estimator samples
+(:class:`~tailguard.core.estimate.CapacityEstimate`) and the detector's
+(:class:`~tailguard.core.outliers.OutlierDetector`), and releases each permit
+exactly once. Room a release makes goes to :class:`~tailguard.core.queueing.Admission`;
+recording is the balancer's, around its public calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tailguard.core.fleet import Node, Outcome
+from tailguard.core.outliers import OutlierDetector
+from tailguard.core.pool import Ticket
+from tailguard.core.predict import (
+    decode_step_s,
+    interleaved_tpot,
+    running_batch,
+    saturated_step_s,
+)
+from tailguard.core.queueing import Admission
+
+# Answers shorter than this teach no decode speed. Their time per token spans
+# one or a few engine steps, and under a burst of short requests most steps
+# also carry other requests' prefill chunks, so a 2-token stream read 2.8x the
+# decode roofline on healthy H100s and degraded them. The limiter still sees
+# them: their TPOT is what their clients got.
+MIN_DECODE_TOKENS = 8
+
+# With no cached-token count from the engine, a TTFT this far below what the
+# node's learned speed predicts is taken for a prefix-cache hit (a cached
+# prompt on llama.cpp: 18 ms against 578 ms uncached) and teaches nothing.
+CACHE_HIT_RATIO = 0.25
+
+
+class Learner:
+    """What answers teach the nodes' estimators and the outlier detector."""
+
+    __slots__ = ("admission", "double_release", "outliers")
+
+    def __init__(self, outliers: OutlierDetector | None, admission: Admission) -> None:
+        self.outliers = outliers
+        self.admission = admission
+        self.double_release = 0  # finishes for an already released ticket
+
+    def first_token(self, ticket: Ticket, now: float, *, defer_prefill: bool = False) -> bool:
+        """The request's first token arrived; False if it changes nothing (the
+        ticket has one, or ended).
+
+        ``defer_prefill``: the driver learns at the finish how much of the prompt
+        the engine served from its prefix cache (``on_finish(cached_tokens=)``), so
+        the prefill sample waits for it: a cached prompt's TTFT must neither teach
+        a fast prefill nor make an uncached one look slow. The simulator, whose
+        engine model has no prefix cache, learns at once.
+        """
+        if ticket.t_first >= 0.0 or ticket.released:
+            return False
+        node = ticket.node
+        ticket.t_first = ticket.seg_t = now
+        node.progressed(now)
+        ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
+        if not ticket.presumed:
+            node.prefilling -= 1
+            node.prefill_backlog -= ticket.backlog
+            node.decoding += 1
+            node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
+        ticket.seg_work = ticket.work_at_first = node.work_at(now)
+        node.ttft.update(now - ticket.t_dispatch, now)
+        pool = ticket.pool
+        if defer_prefill:
+            ticket.pending_prefill = True
+            if self.outliers is not None:
+                self.outliers.on_progress(node, now)
+        else:
+            self.learn_prefill(ticket, 0)
+        self.admission.room_made(pool, now)  # a shorter backlog may admit a waiter
+        return True
+
+    def learn_prefill(self, ticket: Ticket, cached_tokens: int | None) -> None:
+        """Learn the node's prefill speed from the ticket's TTFT.
+
+        ``cached_tokens`` None: the engine did not say. A sample then more than
+        ``1 / CACHE_HIT_RATIO`` times faster than the node's learned speed is
+        taken for a prefix-cache hit and teaches nothing (caching can only make
+        a prefill faster, so the slow side of the evidence stays trustworthy).
+        """
+        ticket.pending_prefill = False
+        node = ticket.node
+        ttft = ticket.t_first - ticket.t_dispatch
+        # The same prediction the router made, without the node's learned
+        # corrections, for the conditions the request met at dispatch.
+        expected = ticket.expected_ttft(cached_tokens or 0)
+        if (cached_tokens is None and expected > 0.0
+                and ttft < CACHE_HIT_RATIO * expected * node.capacity.prefill_slowdown):
+            node.presumed_cache_hits += 1
+            return
+        node.capacity.prefill.update(ttft, expected)
+        if self.outliers is not None:
+            batch = ticket.batch_at_dispatch
+            tokens = int(ticket.ahead_tokens) + ticket.uncached(cached_tokens or 0)
+            self.outliers.on_prefill(node, ttft, expected, ticket.t_first, tokens, batch,
+                                     queued=ticket.running() < batch)
+
+    def finish(self, ticket: Ticket, now: float, outcome: Outcome, output_tokens: int,
+               *, judged: bool = True, timed: bool = True,
+               cached_tokens: int | None = None) -> None:
+        """Release the ticket's permit (exactly once) and learn from the request.
+
+        ``judged=False``: a node failure whose cause is not known yet (a 5xx
+        that the request itself may have caused); the detector hears of it
+        only through a later :meth:`blame`. ``timed=False``: the answer's pace
+        was the client's, not the node's (it read slowly), so no speed is
+        learned from it. ``cached_tokens``: the prompt tokens the engine reported
+        served from its prefix cache (for a first token that deferred its sample).
+        """
+        if ticket.released:
+            self.double_release += 1
+            return
+        ticket.released = True
+        node = ticket.node
+        if ticket.pending_prefill:
+            self.learn_prefill(ticket, cached_tokens)
+        node.in_flight -= 1
+        if ticket.due != math.inf or ticket.t_first >= 0.0:
+            node.slot_freed(now)  # it held an engine slot: the next waiting prompt has it
+        if ticket.t_first < 0.0 and not ticket.presumed:
+            node.prefilling -= 1
+            node.prefill_backlog -= ticket.backlog
+            if outcome is Outcome.OK:  # a short non-streamed answer: computed all the same
+                node.end_work(ticket.work, ticket.accrual, now)
+            else:  # its prompt will not be computed: no longer work the node has to do
+                node.withdraw_work(ticket.work)
+                node.end_work(ticket.work, ticket.accrual, now, computed=False)
+                node.left_unanswered(ticket.due if outcome is Outcome.CLIENT_CANCELLED
+                                     else math.inf, now, ticket.allowance)
+        else:
+            node.decoding -= 1
+        if self.outliers is not None and (judged or not outcome.is_node_failure):
+            self.outliers.on_outcome(node, outcome, now)
+        if ticket.permit is not None:
+            self.release_permit(ticket, now, outcome, output_tokens if timed else 0)
+        if outcome is not Outcome.OK:
+            return
+        node.progressed(now)
+        pool = ticket.pool
+        if ticket.blocks and cached_tokens is not None and pool.prefix is not None:
+            pool.prefix.observe(node.id, ticket.blocks, ticket.hit_blocks, cached_tokens)
+        pool.mean_output += (output_tokens - pool.mean_output) * 0.01
+        if not timed:
+            return
+        node.latency.update(now - ticket.t_dispatch, now)
+        if ticket.t_first >= 0.0 and output_tokens >= 2:
+            tpot = (now - ticket.t_first) / (output_tokens - 1)
+            node.tpot.update(tpot, now)  # what clients got (observers read it)
+            if output_tokens < MIN_DECODE_TOKENS:
+                return
+            batch, expected_step = self.decode_expected(ticket, ticket.batch_at_first,
+                                                         ticket.t_first, ticket.work_at_first, now)
+            node.capacity.decode.update(tpot, expected_step)
+            if self.outliers is None:
+                return
+            if ticket.seg_tokens == 1:  # no piece judged while it ran: the whole answer
+                self.outliers.on_decode(node, tpot, expected_step, batch, now, ticket.t_first)
+                return
+            # The pieces judged as the stream ran; the rest, if long enough, now.
+            rest = output_tokens - ticket.seg_tokens
+            if rest >= MIN_DECODE_TOKENS:
+                batch, expected_step = self.decode_expected(ticket, ticket.seg_batch,
+                                                             ticket.seg_t, ticket.seg_work, now)
+                self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
+                                        batch, now, ticket.seg_t)
+
+    @staticmethod
+    def decode_expected(ticket: Ticket, batch_then: int, since: float,
+                        work_then: float, now: float) -> tuple[int, float]:
+        """The running batch since ``batch_then`` (the mean of then and now) and the
+        roofline's time per token for it, stretched by the prompt work the node
+        computed since ``since`` (when its total was ``work_then``), at the class's
+        learned prefill speed (:func:`interleaved_tpot`)."""
+        node, pool = ticket.node, ticket.pool
+        # The streams of one node told at one tick share all of it (the simulator
+        # tells each one each second): computed once for them.
+        key = (pool.name, batch_then, since, work_then, now, node.fleet_in_flight,
+               pool.mean_prompt, pool.mean_output, node.class_prefill_slowdown,
+               node.remote_ratio)
+        memo = node.decode_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        batch = running_batch(node.perf, node.slots,
+                              max(1, (batch_then + node.fleet_in_flight + 1) // 2),
+                              pool.mean_prompt + pool.mean_output)
+        ctx = pool.mean_prompt + pool.mean_output * 0.5
+        step = decode_step_s(node.perf, batch, ctx)
+        span = now - since
+        work = node.work_at(now) - work_then
+        if span > 0.0 and work > 0.0:
+            duty = work * (1.0 + node.remote_ratio) * node.class_prefill_slowdown / span
+            step = interleaved_tpot(step, duty, saturated_step_s(node.perf, batch, ctx))
+        node.decode_memo = (key, (batch, step))
+        return batch, step
+
+    def stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
+        """``tokens`` output tokens of the ticket's stream have arrived by ``now``.
+
+        The detector judges a long answer's decode piece by piece, each piece at
+        least ``segment_s`` and ``MIN_DECODE_TOKENS`` long (an answer of 500
+        tokens on a slowed node takes tens of seconds to end). Returns the time
+        of the next call worth making (the driver compares its clock, no count).
+        """
+        det = self.outliers
+        if det is None or ticket.released or ticket.t_first < 0.0 \
+                or det.config.segment_s <= 0.0:
+            return math.inf
+        # Nothing changes until a piece is judged: only those calls are recorded.
+        start = ticket.seg_t
+        seg_s = det.config.segment_s
+        if now - start < seg_s:
+            return start + seg_s
+        n = tokens - ticket.seg_tokens
+        if n < MIN_DECODE_TOKENS:
+            return now  # a slow piece: the next chunk may complete it
+        batch, expected = self.decode_expected(ticket, ticket.seg_batch, start,
+                                                ticket.seg_work, now)
+        det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start)
+        ticket.seg_t = now
+        ticket.seg_tokens = tokens
+        ticket.seg_batch = ticket.node.fleet_in_flight
+        ticket.seg_work = ticket.node.work_at(now)
+        return now + seg_s
+
+    def blame(self, node: Node, outcome: Outcome, now: float) -> None:
+        """Charge ``node`` with a failure released unjudged, now that it is the node's.
+
+        The driver learnt it from a second node: the same request succeeded
+        there, so the first node's 5xx was the node's own.
+        """
+        if self.outliers is not None:
+            self.outliers.on_outcome(node, outcome, now)
+
+    def release_permit(self, ticket: Ticket, now: float, outcome: Outcome,
+                       output_tokens: int) -> None:
+        permit = ticket.permit
+        assert permit is not None
+        node = ticket.node
+        if outcome is Outcome.OK:
+            tpot = 0.0
+            if ticket.t_first >= 0.0 and output_tokens >= 2:
+                tpot = (now - ticket.t_first) / (output_tokens - 1)
+            ttft = ticket.t_first - ticket.t_dispatch if ticket.t_first >= 0.0 else 0.0
+            # The engine's own queue with a nearly full KV cache: the batch is
+            # past what its memory holds, whatever the latencies say yet.
+            congested = (node.engine_waiting > 0 and node.engine_kv_usage >= permit.kv_full
+                         and now - node.engine_metrics_at < 2.0)
+            permit.release(now, "success", tpot, ttft, congested)
+            if ticket.pool.queue is not None:
+                ticket.pool.queue.on_release(now, ttft)
+        elif outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_429):
+            permit.release(now, "dropped")
+        else:
+            permit.release(now, "ignored")
+        queue = ticket.pool.queue
+        if queue is not None:
+            if outcome is not Outcome.OK:
+                queue.on_release(now)
+            self.admission.room_made(ticket.pool, now)
