@@ -27,7 +27,7 @@ from tailguard.core.exchange import (
     Request,
     pump,
 )
-from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.limits import LimitConfig
@@ -291,11 +291,11 @@ def test_no_capacity_and_committed_failure(settled: list[Balancer]) -> None:
     b = balancer(2)
     settled.append(b)
     for n in b.nodes:
-        b.set_state(n, NodeState.DOWN)
+        b.set_state(n, NodeState.DOWN, Actor.HEALTH)
     ex = exchange(b)
     fail = only(ex.arrive(0.0), Fail)
     assert isinstance(fail, Fail) and fail.failure.status == 503 and fail.node_id is None
-    b.set_state("n0", NodeState.HEALTHY)
+    b.set_state("n0", NodeState.HEALTHY, Actor.HEALTH)
     ex = exchange(b)
     copy = dispatched(ex.arrive(1.0))
     ex.first_chunk(copy, 1.1)

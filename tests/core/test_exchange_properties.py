@@ -35,7 +35,7 @@ from tailguard.core.exchange import (
     Request,
     pump,
 )
-from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.limits import LimitConfig
@@ -139,7 +139,11 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
                 drv.apply(ex, actions, now)
         elif what in ("down", "up"):
             node_id = data.draw(st.sampled_from(sorted(b.nodes)), label="node")
-            b.set_state(node_id, NodeState.DOWN if what == "down" else NodeState.HEALTHY)
+            node = b.nodes[node_id]
+            if what == "down" and node.state.routable:
+                b.set_state(node_id, NodeState.DOWN, Actor.HEALTH)
+            elif what == "up" and node.state is NodeState.DOWN:
+                b.set_state(node_id, NodeState.HEALTHY, Actor.HEALTH)
         elif what == "timer":
             at, ex = drv.timers.pop(data.draw(st.integers(0, len(drv.timers) - 1)))
             drv.apply(ex, ex.timer(max(now, at)), now)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from tailguard.core.balancer import Balancer, PoolConfig
-from tailguard.core.fleet import Node, NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import Actor, Node, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 
@@ -341,7 +341,7 @@ def test_class_speed_is_its_healthy_nodes() -> None:
         n.capacity.decode.log_ratio = math.log(ratio)
     b.tick(0.0)
     assert b.nodes["n0"].class_decode_slowdown == pytest.approx(2.0)  # 8 ** (1/3)
-    b.set_state("n2", NodeState.DEGRADED)
+    b.set_state("n2", NodeState.DEGRADED, Actor.LEADER)
     b.tick(1.0)
     # The degraded straggler is priced by its weight, not through its peers.
     assert b.nodes["n0"].class_decode_slowdown == pytest.approx(1.0)
@@ -353,7 +353,7 @@ def test_probation_gets_its_canary_share() -> None:
              for i in range(4)]
     b = Balancer(specs, [PoolConfig(MODEL)], random.Random(0))
     b.tick(0.0)
-    b.set_state("n3", NodeState.PROBATION)
+    b.set_state("n3", NodeState.PROBATION, Actor.LEADER)
     b.tick(1.0)  # the detector notices; the weight starts at the canary weight
     assert b.nodes["n3"].weight_scale == pytest.approx(0.1, abs=0.01)
     hits = 0

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tailguard.core.balancer import Balancer, PoolConfig
-from tailguard.core.fleet import OWED_S, NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import OWED_S, TRANSITIONS, Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import make_policy, policy_names
 from tailguard.core.predict import (
@@ -165,8 +165,10 @@ def test_never_returns_an_ineligible_node(policy: str, states: list[NodeState], 
                                           exclude: int) -> None:
     gpus = ["H100", "A100", "L4", "T4", "L40S", "H200", "A10G", "V100"]
     b = balancer(policy, gpus[: len(states)], seed)
-    for i, s in enumerate(states):
-        b.set_state(f"n{i}", s)
+    for i, s in enumerate(states):  # as whichever writer may make that move
+        if s is not NodeState.HEALTHY:
+            actor = next(a for a in Actor if s in TRANSITIONS[a].get(NodeState.HEALTHY, ()))
+            b.set_state(f"n{i}", s, actor)
     excluded = (f"n{exclude}",)
     allowed = {f"n{i}" for i, s in enumerate(states) if s.routable} - set(excluded)
     for _ in range(5):

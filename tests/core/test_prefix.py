@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from tailguard.core.balancer import Balancer, PoolConfig
-from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.prefix import PrefixIndex
 from tailguard.core.replay import replay
@@ -185,7 +185,7 @@ def test_the_index_follows_the_fleet() -> None:
     index = b.pools[MODEL].index()
     b.replace_pool(PoolConfig(MODEL, "tailguard", prefix_block_tokens=BT))  # a reload
     assert b.pools[MODEL].prefix is index and index.match(conv) == {home: 30}
-    b.set_state(home, NodeState.DOWN)  # a crashed engine comes back with an empty cache
+    b.set_state(home, NodeState.DOWN, Actor.HEALTH)  # a crashed engine comes back with an empty cache
     assert index.match(conv) == {}
     b.add_node(NodeSpec("n9", DEFAULT_CATALOG.gpu("H100"), "H100", models=(MODEL,)))
     assert 0 < index.capacity("n9") <= DEFAULT_CATALOG.gpu("H100").mem_gb * 1e9

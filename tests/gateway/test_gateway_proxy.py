@@ -376,12 +376,12 @@ def test_engine_metrics_are_scraped_and_go_stale() -> None:
         async with fleet_and_gateway(["a"]) as (gw, (a,)):
             a.behavior.running, a.behavior.waiting = 3, 1
             node = gw.fleet.balancer.nodes["a"]
-            await wait_for(lambda: node.engine_running == 3, what="scrape")
-            assert node.engine_waiting == 1 and node.engine_kv_usage == 0.25
+            await wait_for(lambda: node.engine.running == 3, what="scrape")
+            assert node.engine.waiting == 1 and node.engine.kv_usage == 0.25
             assert gw.fleet.monitors["a"].engine == "vllm"  # detected
             a.behavior.metrics_status = 500
             await wait_for(lambda: gw.fleet.monitors["a"].stale, what="stale")
-            assert node.engine_running == -1  # withdrawn from the balancer
+            assert node.engine.running == -1  # withdrawn from the balancer
             async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
                 text = await r.text()
             values = {f.name: f for f in text_string_to_metric_families(text)}

@@ -28,7 +28,7 @@ from gateway_fakes import (
 from multidict import CIMultiDict
 
 from tailguard.core.events import Event
-from tailguard.core.fleet import NodeState
+from tailguard.core.fleet import Actor, NodeState
 from tailguard.gateway.app import DASHBOARD, RunningGateway
 from tailguard.gateway.dashboard import pool_shed_total
 from tailguard.gateway.logs import JsonFormatter, TextFormatter
@@ -179,7 +179,7 @@ def test_dashboard_page_and_state_feed() -> None:
                                                                         ("b", "removed")]
             # The fleet's event log (core events, remediation results) feeds it too, and a
             # state change it announces is not repeated by the watcher.
-            gw.fleet.set_state("a", NodeState.QUARANTINED)
+            gw.fleet.balancer.set_state("a", NodeState.QUARANTINED, Actor.LEADER)
             gw.fleet.event_log.on_core_event(Event(0.0, "a", "state", "quarantined", "slow 3x"))
             gw.fleet.event_log.add({"node": "a", "kind": "action", "trigger": "quarantined",
                                     "action": "command", "result": "ok", "detail": "exit 0"})

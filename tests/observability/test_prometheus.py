@@ -27,7 +27,7 @@ import yaml
 from live_stack import MODEL, LiveStack, free_port, http_json, need_binary
 
 from tailguard.core.events import Event
-from tailguard.core.fleet import NodeState
+from tailguard.core.fleet import Actor, NodeState
 from tailguard.gateway.app import RunningGateway
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -82,7 +82,7 @@ def produce_incidents(gw: RunningGateway, step: int) -> None:
     m.remediation("command", "ok")
     m.on_event(Event(0.0, "l4-0", "state", "quarantined", "test"))
     if step == 1:
-        gw.fleet.set_state("l4-0", NodeState.QUARANTINED)
+        gw.fleet.balancer.set_state("l4-0", NodeState.QUARANTINED, Actor.LEADER)
         gw.fleet.set_state("l4-2", NodeState.DRAINING)
 
 

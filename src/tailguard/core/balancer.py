@@ -39,11 +39,14 @@ from tailguard.core.fleet import (
     OVERDUE_FACTOR,
     OWN_MARGIN,
     OWN_SAMPLES,
+    Actor,
+    EngineReport,
     Node,
     NodeSpec,
     NodeState,
     Outcome,
 )
+from tailguard.core.fleet.lifecycle import Lifecycle
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, PerfModel, PerfParams
 from tailguard.core.learner import Learner
 from tailguard.core.limit_plan import node_limiter
@@ -174,6 +177,7 @@ class Balancer:
         if self.recorder is not None:
             self.recorder({"op": "add_node", "spec": spec_to_dict(spec)})
         node = Node(spec, self._prior(spec))
+        node.watch_moves(self._state_changed)
         self.nodes[spec.id] = node
         for name in spec.models:
             pool = self.pools.get(name)
@@ -183,7 +187,7 @@ class Balancer:
             pool.invalidate()
             if pool.prefix is not None:
                 pool.prefix.set_kv(node.id, node.perf.kv_capacity_tokens)
-        node.limiter = node_limiter(node, self.pools)
+        node.use_limiter(node_limiter(node, self.pools))
         return node
 
     def remove_node(self, node_id: str) -> None:
@@ -199,18 +203,27 @@ class Balancer:
             if pool.prefix is not None:
                 pool.prefix.forget(node_id)
 
-    def set_state(self, node_id: str, state: NodeState) -> None:
+    def set_state(self, node_id: str, state: NodeState, actor: Actor = Actor.OPERATOR) -> None:
+        """Move a node as an operator (or, ``actor``, the driver's health probes) may
+        (``core/fleet/lifecycle.py``); IllegalTransition for a move it may not make."""
         node = self.nodes[node_id]
         if node.state is state:
             return
         if self.recorder is not None:
-            self.recorder({"op": "set_state", "node": node_id, "state": state.value})
-        node.state = state
+            rec = {"op": "set_state", "node": node_id, "state": state.value}
+            if actor is not Actor.OPERATOR:
+                rec["by"] = actor.value
+            self.recorder(rec)
+        node.move(state, actor)
+
+    def _state_changed(self, node: Lifecycle, was: NodeState) -> None:
+        """Every move of a node, whoever made it: its pools re-list their routable nodes."""
+        down = node.state is NodeState.DOWN
         for pool in self.pools.values():
             if node in pool.nodes:
                 pool.invalidate()
-                if state is NodeState.DOWN and pool.prefix is not None:
-                    pool.prefix.forget(node_id)  # a restarted engine's cache is empty
+                if down and pool.prefix is not None:
+                    pool.prefix.forget(node.id)  # a restarted engine's cache is empty
 
     # -- the request path ------------------------------------------------------
 
@@ -349,10 +362,7 @@ class Balancer:
         ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq, prefix, hit_blocks)
         if prefix:
             pool.index().insert(node.id, prefix)
-        node.in_flight += 1
-        node.prefilling += 1
-        node.prefill_backlog += ticket.backlog
-        node.prefill_tokens_total += prompt_tokens
+        node.dispatched(ticket.backlog, prompt_tokens)
         if ticket.backlog > 0:
             running = running_batch(node.perf, node.slots, node.fleet_in_flight,
                                     pool.mean_prompt + pool.mean_output)
@@ -367,7 +377,6 @@ class Balancer:
         if ticket.work > 0.0:
             ticket.accrual = node.start_work(ticket.work, expected, now)
         node.awaits(ticket)
-        node.dispatched_total += 1
         if node.limiter is not None:
             node.limiter.acquire()
             ticket.permit = node.limiter
@@ -492,10 +501,7 @@ class Balancer:
         node = self.nodes.get(node_id)
         if node is None:
             return
-        node.engine_running = running
-        node.engine_waiting = waiting
-        node.engine_kv_usage = kv_usage
-        node.engine_metrics_at = now
+        node.report_engine(EngineReport(running, waiting, kv_usage, now))
 
     def on_peers(self, now: float, reports: Mapping[str, Mapping[str, Any]],
                  leader: bool) -> list[Event]:
@@ -552,12 +558,10 @@ class Balancer:
             d, p, n, hd, hp, hn = sums[node.spec.gpu_class]
             if hn:
                 d, p, n = hd, hp, hn
-            node.class_decode_slowdown = math.exp(d / n)
-            node.class_prefill_slowdown = math.exp(p / n)
-            # Against the others of its class (in a class of two, the mean with
-            # itself would halve a slow card's excess in log terms).
+            # Its own excess is against the others of its class (in a class of two,
+            # the mean with itself would halve a slow card's excess in log terms).
             own = node.capacity.decode
-            node.decode_excess = 1.0
+            excess = 1.0
             if own.samples >= OWN_SAMPLES:
                 mine = own.log_ratio
                 if node.remote_speed is not None:
@@ -566,6 +570,7 @@ class Balancer:
                 if hn and node.state is NodeState.HEALTHY:
                     others, k = d - mine, n - 1.0
                 if k > 0.0:
-                    excess = math.exp(mine - others / k)
-                    if excess > OWN_MARGIN:
-                        node.decode_excess = excess
+                    mine_over = math.exp(mine - others / k)
+                    if mine_over > OWN_MARGIN:
+                        excess = mine_over
+            node.set_class_speed(math.exp(d / n), math.exp(p / n), excess)

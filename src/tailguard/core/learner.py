@@ -39,12 +39,14 @@ CACHE_HIT_RATIO = 0.25
 class Learner:
     """What answers teach the nodes' estimators and the outlier detector."""
 
-    __slots__ = ("admission", "double_release", "outliers")
+    __slots__ = ("_memo", "admission", "double_release", "outliers")
 
     def __init__(self, outliers: OutlierDetector | None, admission: Admission) -> None:
         self.outliers = outliers
         self.admission = admission
         self.double_release = 0  # finishes for an already released ticket
+        # node id -> decode_expected's last answer: (its inputs, (batch, step))
+        self._memo: dict[str, tuple[tuple[object, ...], tuple[int, float]]] = {}
 
     def first_token(self, ticket: Ticket, now: float, *, defer_prefill: bool = False) -> bool:
         """The request's first token arrived; False if it changes nothing (the
@@ -63,9 +65,7 @@ class Learner:
         node.progressed(now)
         ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
-            node.prefilling -= 1
-            node.prefill_backlog -= ticket.backlog
-            node.decoding += 1
+            node.prompt_done(ticket.backlog)
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
         ticket.seg_work = ticket.work_at_first = node.work_at(now)
         node.ttft.update(now - ticket.t_dispatch, now)
@@ -95,7 +95,7 @@ class Learner:
         expected = ticket.expected_ttft(cached_tokens or 0)
         if (cached_tokens is None and expected > 0.0
                 and ttft < CACHE_HIT_RATIO * expected * node.capacity.prefill_slowdown):
-            node.presumed_cache_hits += 1
+            node.presumed_cache_hit()
             return
         node.capacity.prefill.update(ttft, expected)
         if self.outliers is not None:
@@ -123,12 +123,11 @@ class Learner:
         node = ticket.node
         if ticket.pending_prefill:
             self.learn_prefill(ticket, cached_tokens)
-        node.in_flight -= 1
+        prefilling = ticket.t_first < 0.0 and not ticket.presumed
+        node.released(ticket.backlog, prefilling)
         if ticket.due != math.inf or ticket.t_first >= 0.0:
             node.slot_freed(now)  # it held an engine slot: the next waiting prompt has it
-        if ticket.t_first < 0.0 and not ticket.presumed:
-            node.prefilling -= 1
-            node.prefill_backlog -= ticket.backlog
+        if prefilling:
             if outcome is Outcome.OK:  # a short non-streamed answer: computed all the same
                 node.end_work(ticket.work, ticket.accrual, now)
             else:  # its prompt will not be computed: no longer work the node has to do
@@ -136,8 +135,6 @@ class Learner:
                 node.end_work(ticket.work, ticket.accrual, now, computed=False)
                 node.left_unanswered(ticket.due if outcome is Outcome.CLIENT_CANCELLED
                                      else math.inf, now, ticket.allowance)
-        else:
-            node.decoding -= 1
         if self.outliers is not None and (judged or not outcome.is_node_failure):
             self.outliers.on_outcome(node, outcome, now)
         if ticket.permit is not None:
@@ -173,8 +170,7 @@ class Learner:
                 self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
                                         batch, now, ticket.seg_t)
 
-    @staticmethod
-    def decode_expected(ticket: Ticket, batch_then: int, since: float,
+    def decode_expected(self, ticket: Ticket, batch_then: int, since: float,
                         work_then: float, now: float) -> tuple[int, float]:
         """The running batch since ``batch_then`` (the mean of then and now) and the
         roofline's time per token for it, stretched by the prompt work the node
@@ -186,7 +182,7 @@ class Learner:
         key = (pool.name, batch_then, since, work_then, now, node.fleet_in_flight,
                pool.mean_prompt, pool.mean_output, node.class_prefill_slowdown,
                node.remote_ratio)
-        memo = node.decode_memo
+        memo = self._memo.get(node.id)
         if memo is not None and memo[0] == key:
             return memo[1]
         batch = running_batch(node.perf, node.slots,
@@ -199,7 +195,7 @@ class Learner:
         if span > 0.0 and work > 0.0:
             duty = work * (1.0 + node.remote_ratio) * node.class_prefill_slowdown / span
             step = interleaved_tpot(step, duty, saturated_step_s(node.perf, batch, ctx))
-        node.decode_memo = (key, (batch, step))
+        self._memo[node.id] = (key, (batch, step))
         return batch, step
 
     def stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
@@ -252,8 +248,9 @@ class Learner:
             ttft = ticket.t_first - ticket.t_dispatch if ticket.t_first >= 0.0 else 0.0
             # The engine's own queue with a nearly full KV cache: the batch is
             # past what its memory holds, whatever the latencies say yet.
-            congested = (node.engine_waiting > 0 and node.engine_kv_usage >= permit.kv_full
-                         and now - node.engine_metrics_at < 2.0)
+            engine = node.engine
+            congested = (engine.waiting > 0 and engine.kv_usage >= permit.kv_full
+                         and now - engine.at < 2.0)
             permit.release(now, "success", tpot, ttft, congested)
             if ticket.pool.queue is not None:
                 ticket.pool.queue.on_release(now, ttft)

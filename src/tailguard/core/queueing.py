@@ -130,7 +130,7 @@ class Admission:
         """A reloaded pool keeps its queued requests (or sheds them without a queue)."""
         for node in pool.nodes:
             if pool.limited or node.limiter is not None:
-                node.limiter = node_limiter(node, self._pools)
+                node.use_limiter(node_limiter(node, self._pools))
         if old.queue is None:
             return
         for waiter in old.queue.queued():
@@ -178,9 +178,7 @@ class Admission:
             ticket.presumed = True
             node = ticket.node
             node.left_unanswered(math.inf, now)  # no longer awaited
-            node.prefilling -= 1
-            node.prefill_backlog -= ticket.backlog
-            node.decoding += 1
+            node.prompt_done(ticket.backlog)
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
             moved.add(ticket.pool.name)
         for name in sorted(moved):  # a shorter backlog may admit a waiter

@@ -17,7 +17,7 @@ from typing import Any
 
 from tailguard.core.admission import Waiter
 from tailguard.core.balancer import Balancer, PoolConfig, Ticket, decision_dict
-from tailguard.core.fleet import NodeSpec, NodeState, Outcome
+from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.record import event_to_dict, from_jsonable, rng_from_init
@@ -132,7 +132,7 @@ class _Replayer:
         self.b.remove_node(rec["node"])
 
     def _set_state(self, i: int, rec: Record) -> None:
-        self.b.set_state(rec["node"], NodeState(rec["state"]))
+        self.b.set_state(rec["node"], NodeState(rec["state"]), Actor(rec.get("by", "operator")))
 
     # -- routing decisions ----------------------------------------------------------
 

@@ -49,14 +49,11 @@ from typing import Any
 
 from tailguard.core.estimate import CapacityEstimate
 from tailguard.core.events import Event
-from tailguard.core.fleet import Node, NodeState
+from tailguard.core.fleet import LIFECYCLE, Node, NodeState
 from tailguard.core.outliers import OutlierDetector
 from tailguard.core.pool import Pool
 
 SPEED_WEIGHT_CAP = 20.0  # samples one replica's speed estimate counts for, at most
-# The detector's own states: a leader publishes these, a follower adopts them.
-LIFECYCLE = frozenset({NodeState.HEALTHY, NodeState.DEGRADED, NodeState.QUARANTINED,
-                       NodeState.PROBATION})
 
 
 def merged_speed(own: CapacityEstimate,
@@ -187,12 +184,8 @@ class Peers:
         ratio = min((1.0 - share) / share, float(len(reports)))
         for nid, n in nodes.items():
             acc = load[nid]
-            n.remote_in_flight = int(acc[0])
-            n.remote_backlog = int(acc[1])
-            n.remote_ratio = ratio
-            n.own_in_flight_base = n.in_flight
-            n.own_backlog_base = n.prefill_backlog
-            n.remote_speed = (acc[2], acc[3], acc[4], acc[5]) if acc[3] or acc[5] else None
+            n.apply_peers(int(acc[0]), int(acc[1]), ratio,
+                          (acc[2], acc[3], acc[4], acc[5]) if acc[3] or acc[5] else None)
             lim = n.limiter
             if lim is not None:
                 lim.share = share

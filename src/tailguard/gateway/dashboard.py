@@ -218,9 +218,9 @@ class Dashboard:
             "weight_scale": round(n.weight_scale, 4),
             "capacity_tokens_per_s": round(capacity_tokens_per_s(self.fleet, n), 1),
             "up": mon.up if mon is not None else None,
-            "engine_running": n.engine_running if n.engine_running >= 0 else None,
-            "engine_waiting": n.engine_waiting if n.engine_waiting >= 0 else None,
-            "kv_usage": round(n.engine_kv_usage, 4) if n.engine_kv_usage >= 0 else None,
+            "engine_running": n.engine.running if n.engine.running >= 0 else None,
+            "engine_waiting": n.engine.waiting if n.engine.waiting >= 0 else None,
+            "kv_usage": round(n.engine.kv_usage, 4) if n.engine.kv_usage >= 0 else None,
             # From the node's DCGM page (dcgm_url), when it has one.
             "gpus": [{"gpu": g.index, "temp_c": g.temp_c, "clock_ratio": g.clock_ratio,
                       "fb_used_mib": g.fb_used_mib, "slowdowns": g.slowdowns()}

@@ -36,7 +36,7 @@ import aiohttp
 
 from tailguard.core.balancer import Balancer, Event
 from tailguard.core.events import remedy
-from tailguard.core.fleet import NodeState
+from tailguard.core.fleet import Actor, NodeState
 from tailguard.core.hedging import Hedger, Hedgers
 from tailguard.core.retry_budget import RetryBudget
 from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
@@ -346,6 +346,6 @@ class LiveFleet:
         if node is None:
             return
         if not up and node.state.routable:
-            self.balancer.set_state(node_id, NodeState.DOWN)
+            self.balancer.set_state(node_id, NodeState.DOWN, Actor.HEALTH)
         elif up and node.state is NodeState.DOWN:
-            self.balancer.set_state(node_id, NodeState.HEALTHY)
+            self.balancer.set_state(node_id, NodeState.HEALTHY, Actor.HEALTH)

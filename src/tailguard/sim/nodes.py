@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 
 from tailguard.core.balancer import Balancer
-from tailguard.core.fleet import NodeState
+from tailguard.core.fleet import Actor, NodeState
 from tailguard.core.hardware import PerfModel
 from tailguard.engine import FAILED, Engine
 from tailguard.sim.scenario import Fault, NodePlan
@@ -92,11 +92,11 @@ def health_check(nodes: list[SimNode], balancer: Balancer) -> None:
         if ns.crashed:
             ns.checks_failed += 1
             if ns.checks_failed == HEALTH_FAILURES and node.state.routable:
-                balancer.set_state(node_id, NodeState.DOWN)
+                balancer.set_state(node_id, NodeState.DOWN, Actor.HEALTH)
         else:
             ns.checks_failed = 0
             if node.state is NodeState.DOWN:
-                balancer.set_state(node_id, NodeState.HEALTHY)
+                balancer.set_state(node_id, NodeState.HEALTHY, Actor.HEALTH)
 
 
 # (engine request id, time) of a request that failed in the crash, and

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from random import Random
 
 from tailguard.core.events import Event
-from tailguard.core.fleet import Node, NodeState
+from tailguard.core.fleet import Actor, Node, NodeState
 from tailguard.core.outliers.config import PoolView
 from tailguard.core.outliers.evidence import Evidence, NodeHealth, Verdict
 from tailguard.core.outliers.intake import SampleIntake
@@ -36,7 +36,7 @@ class OutlierDetector(SampleIntake):
                 self._to_probation(node, h, now, pool_list, events)
             elif node.state is NodeState.PROBATION:
                 ramp = min(1.0, (now - h.probation_since) / max(cfg.slow_start_s, 1e-9))
-                node.weight_scale = cfg.canary_weight + (1.0 - cfg.canary_weight) * ramp
+                node.reweigh(cfg.canary_weight + (1.0 - cfg.canary_weight) * ramp)
                 if ramp >= 1.0:
                     self._set(node, h, NodeState.HEALTHY, now, pool_list, events,
                               "probation passed")
@@ -93,12 +93,12 @@ class OutlierDetector(SampleIntake):
         self._observe_state(node, h, now)
         h.ejections = ejections
         h.eject_until = now + eject_in_s if state is NodeState.QUARANTINED else math.inf
-        node.weight_scale = weight_scale
+        node.reweigh(weight_scale)
         if state is not node.state:
             if state is NodeState.PROBATION:
                 h.probation_since = now
-            self._set(node, h, state, now, list(pools), events, reason)
-            node.weight_scale = weight_scale
+            self._set(node, h, state, now, list(pools), events, reason, Actor.LEADER)
+            node.reweigh(weight_scale)
 
     def decision(self, node_id: str, now: float) -> tuple[int, float, str] | None:
         """What a leader publishes of a node's lifecycle: ejections, seconds left, reason."""
@@ -118,8 +118,8 @@ class OutlierDetector(SampleIntake):
                 self.on_probation += 1
                 h.probation_since = now
             if node.state is NodeState.HEALTHY:
-                # An operator (uncordon/resume) or the health checks put it back.
-                node.weight_scale = 1.0
+                # An operator (uncordon/resume) or the health checks put it back
+                # (at its full weight: the transition's).
                 h.flagged_streak = 0
                 h.consecutive_failures = 0
                 h.prefill.restart()
@@ -226,7 +226,7 @@ class OutlierDetector(SampleIntake):
                 # No evidence either way: the weight comes back so the router tries
                 # the node again, but only clean samples make it healthy (declared
                 # healthy on the weight alone, a throttled node flapped).
-                node.weight_scale = min(1.0, node.weight_scale * cfg.regain_factor)
+                node.reweigh(min(1.0, node.weight_scale * cfg.regain_factor))
             self._close_interval(node, h, v)
 
     def _sure(self, node: Node, h: NodeHealth, now: float, pools: list[PoolView],
@@ -243,7 +243,7 @@ class OutlierDetector(SampleIntake):
             h.slowness = s
             h.flagged_streak = 1
             h.clean_streak = 0
-            node.weight_scale = max(self.config.min_weight, 1.0 / s)
+            node.reweigh(max(self.config.min_weight, 1.0 / s))
             self._set(node, h, NodeState.DEGRADED, now, pools, events, f"slow: {why}")
 
     def _push_window(self, node: Node, h: NodeHealth) -> tuple[int, int]:
@@ -280,7 +280,7 @@ class OutlierDetector(SampleIntake):
                     self._set(node, h, NodeState.HEALTHY, now, pools, events,
                               f"recovered: {v.why}")
                 else:
-                    node.weight_scale = max(cfg.min_weight, min(1.0, 1.0 / v.slowness))
+                    node.reweigh(max(cfg.min_weight, min(1.0, 1.0 / v.slowness)))
             return
         h.clean_streak = 0
         h.flagged_streak += 1
@@ -288,16 +288,16 @@ class OutlierDetector(SampleIntake):
             if v.floor >= cfg.quarantine_ratio:
                 self._eject(node, h, now, pools, rng, events, f"slow on probation: {v.why}")
             else:
-                node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
+                node.reweigh(max(cfg.min_weight, 1.0 / v.slowness))
                 self._set(node, h, NodeState.DEGRADED, now, pools, events,
                           f"slow on probation: {v.why}")
         elif node.state is NodeState.DEGRADED:
-            node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
+            node.reweigh(max(cfg.min_weight, 1.0 / v.slowness))
             if (h.flagged_streak > cfg.consecutive_intervals
                     and v.floor >= cfg.quarantine_ratio):
                 self._eject(node, h, now, pools, rng, events, f"slow: {v.why}")
         elif h.flagged_streak >= cfg.consecutive_intervals:
-            node.weight_scale = max(cfg.min_weight, 1.0 / v.slowness)
+            node.reweigh(max(cfg.min_weight, 1.0 / v.slowness))
             self._set(node, h, NodeState.DEGRADED, now, pools, events, f"slow: {v.why}")
 
     # -- transitions -------------------------------------------------------------
@@ -311,24 +311,21 @@ class OutlierDetector(SampleIntake):
         return None
 
     def _set(self, node: Node, h: NodeHealth, state: NodeState, now: float,
-             pools: list[PoolView], events: list[Event], reason: str) -> None:
+             pools: list[PoolView], events: list[Event], reason: str,
+             actor: Actor = Actor.DETECTOR) -> None:
         self._account(h, now)
         if node.state is NodeState.PROBATION:
             self.on_probation -= 1
         if state is NodeState.PROBATION:
             self.on_probation += 1
-        node.state = state
+        node.move(state, actor)
         h.known_state = state
         h.reason = reason
         if state is NodeState.HEALTHY or state is NodeState.PROBATION:
             h.prefill.restart()
             h.decode.restart()
         if state is NodeState.HEALTHY:
-            node.weight_scale = 1.0
             h.flagged_streak = h.clean_streak = 0
-        for pool in pools:
-            if node in pool.nodes:
-                pool.invalidate()
         events.append(Event(now, node.id, "state", state.value, reason))
 
     def _nominal_capacity(self, node: Node) -> float:
@@ -359,8 +356,8 @@ class OutlierDetector(SampleIntake):
         h.flagged_streak = h.clean_streak = 0
         h.consecutive_failures = 0
         if not self._cap_allows(node, pools):
-            node.weight_scale = max(cfg.min_weight, min(node.weight_scale, 1.0 / max(h.slowness,
-                                                                                     2.0)))
+            node.reweigh(max(cfg.min_weight,
+                             min(node.weight_scale, 1.0 / max(h.slowness, 2.0))))
             if node.state is NodeState.DEGRADED:
                 events.append(Event(now, node.id, "detect", "degraded",
                                     f"{reason}; not quarantined: max ejection share reached"))
@@ -382,7 +379,7 @@ class OutlierDetector(SampleIntake):
         h.eject_until = math.inf
         h.probation_since = now
         h.last_progress = now
-        node.weight_scale = self.config.canary_weight
+        node.reweigh(self.config.canary_weight)
         self._set(node, h, NodeState.PROBATION, now, pools, events, "backoff over: canary")
 
     # -- reports -------------------------------------------------------------------
