@@ -170,6 +170,16 @@ class TailguardPolicy:
             if step is None:
                 step = q.step(running)
             tpot = step * dslow
+            if cached:
+                # A prefix the node holds is prefill it need not do.
+                work = prompt - min(cached.get(n.id, 0), prompt - 1)
+                own = q.prefill if work == prompt else prefill_s(n.perf, 0, work)
+            else:
+                work, own = prompt, q.prefill
+            # The cost below with no wait, no prompt duty and no SLO miss, none of
+            # which can lower it: a node that cannot win even so is passed over.
+            if (ttft_weight * (own * pslow + tpot) + out * tpot) / n.weight_scale >= best:
+                continue
             check = tpot
             duty = n.duty
             if duty > 0.0:
@@ -190,12 +200,6 @@ class TailguardPolicy:
                 # A node silent past its oldest prompt's due time (stalled) holds
                 # a new prompt at least that much longer (Node.overdue_s).
                 wait += n.overdue_s(now)
-            if cached:
-                # A prefix the node holds is prefill it need not do.
-                work = prompt - min(cached.get(n.id, 0), prompt - 1)
-                own = q.prefill if work == prompt else prefill_s(n.perf, 0, work)
-            else:
-                work, own = prompt, q.prefill
             ttft = wait + own * pslow + tpot
             if batch > running:
                 # Queued in the engine: wait for (batch - running) of the running
