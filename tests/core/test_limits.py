@@ -128,13 +128,16 @@ def test_aimd_netflix_rule() -> None:
 
 def test_limiter_counts_endings() -> None:
     lim = Limiter(FixedLimit(2))
-    lim.acquire()
-    lim.acquire()
+    first, second = lim.acquire(), lim.acquire()
     assert not lim.has_room()
-    lim.release(0.0, "success", 0.05, 0.1)
-    lim.release(0.0, "dropped")
+    assert first.succeeded(0.0, 0.05, 0.1)
+    assert second.dropped(0.0)
     assert lim.has_room() and lim.inflight == 0
     assert (lim.successes, lim.dropped, lim.ignored) == (1, 1, 0)
+    # A permit ends once, whichever ending comes second.
+    assert not first.ignored() and not second.succeeded(1.0, 0.05, 0.1)
+    assert lim.inflight == 0 and (lim.successes, lim.dropped, lim.ignored) == (1, 1, 0)
+    assert first.ended and first.limiter is None
 
 
 def test_planned_limit_weaker_gpu_runs_smaller_batch() -> None:
@@ -176,9 +179,12 @@ def test_balancer_respects_limits_and_releases_permits_exactly_once() -> None:
     assert b.nodes["h"].in_flight == 2 and b.nodes["l"].in_flight == 2
     t = tickets[0]
     assert t is not None and t.permit is not None
+    limiter = t.permit.limiter
+    assert limiter is not None
     b.on_finish(t, 1.0, Outcome.CLIENT_CANCELLED, 0)
     b.on_finish(t, 1.1, Outcome.OK, 10)
-    assert t.permit.inflight == 1 and t.permit.ignored == 1 and t.permit.successes == 0
+    assert limiter.inflight == 1 and limiter.ignored == 1 and limiter.successes == 0
+    assert t.permit.ended
     assert b.double_release == 1
     assert b.pick(MODEL, 100, 2.0) is not None
 

@@ -378,8 +378,7 @@ class Balancer:
             ticket.accrual = node.start_work(ticket.work, expected, now)
         node.awaits(ticket)
         if node.limiter is not None:
-            node.limiter.acquire()
-            ticket.permit = node.limiter
+            ticket.permit = node.limiter.acquire()
         pool.mean_prompt += (prompt_tokens - pool.mean_prompt) * 0.01
         return ticket
 

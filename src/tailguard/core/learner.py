@@ -240,6 +240,9 @@ class Learner:
                        output_tokens: int) -> None:
         permit = ticket.permit
         assert permit is not None
+        limiter = permit.limiter
+        if limiter is None:
+            return  # ended already
         node = ticket.node
         if outcome is Outcome.OK:
             tpot = 0.0
@@ -249,15 +252,15 @@ class Learner:
             # The engine's own queue with a nearly full KV cache: the batch is
             # past what its memory holds, whatever the latencies say yet.
             engine = node.engine
-            congested = (engine.waiting > 0 and engine.kv_usage >= permit.kv_full
+            congested = (engine.waiting > 0 and engine.kv_usage >= limiter.kv_full
                          and now - engine.at < 2.0)
-            permit.release(now, "success", tpot, ttft, congested)
+            permit.succeeded(now, tpot, ttft, congested)
             if ticket.pool.queue is not None:
                 ticket.pool.queue.on_release(now, ttft)
         elif outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_429):
-            permit.release(now, "dropped")
+            permit.dropped(now)
         else:
-            permit.release(now, "ignored")
+            permit.ignored()
         queue = ticket.pool.queue
         if queue is not None:
             if outcome is not Outcome.OK:

@@ -138,6 +138,10 @@ class Limit(Protocol):
     @property
     def limit(self) -> int: ...
 
+    @property
+    def headed_for(self) -> float:
+        """The limit it is growing toward while it ramps up (slow start), else 0."""
+
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
                   dropped: bool, weight: float = 1.0) -> None:
         """One finished request: its TPOT and node-side TTFT (<= 0: unknown),
@@ -157,6 +161,8 @@ class FixedLimit:
     @property
     def limit(self) -> int:
         return self._limit
+
+    headed_for = 0.0  # never ramps
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
                   dropped: bool, weight: float = 1.0) -> None:
@@ -178,6 +184,8 @@ class AimdLimit:
     @property
     def limit(self) -> int:
         return self._limit
+
+    headed_for = 0.0  # never ramps
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
                   dropped: bool, weight: float = 1.0) -> None:
@@ -244,6 +252,10 @@ class GradientLimit:
     def slow_start(self) -> bool:
         """Still in slow start (growing by one per sample toward ``ssthresh``)."""
         return self.ssthresh > 0.0
+
+    @property
+    def headed_for(self) -> float:
+        return self.ssthresh
 
     def on_sample(self, now: float, tpot: float, ttft: float, inflight: int,
                   dropped: bool, weight: float = 1.0) -> None:
@@ -387,9 +399,9 @@ class Limiter:
     @property
     def ceiling(self) -> float:
         """This replica's share of the limit the node is headed for (slow start's threshold)."""
-        alg = self.algorithm
-        if isinstance(alg, GradientLimit) and alg.ssthresh > 0.0:
-            return alg.ssthresh * min(self.share, 1.0)
+        headed = self.algorithm.headed_for
+        if headed > 0.0:
+            return headed * min(self.share, 1.0)
         return float(self.allowed)
 
     def _weight(self) -> float:
@@ -399,27 +411,70 @@ class Limiter:
             return 1.0
         return (self.inflight + self.remote) / max(self.inflight, 1)
 
-    def acquire(self) -> None:
+    def acquire(self) -> Permit:
+        """One permit, whatever the room (:meth:`has_room` is the caller's check)."""
         self.inflight += 1
+        return Permit(self)
 
-    def release(self, now: float, ending: str, tpot: float = 0.0, ttft: float = 0.0,
-                congested: bool = False) -> None:
-        """End one permit: ``ending`` is "success", "ignored" or "dropped".
-
-        ``congested`` (the engine reports a queue with a nearly full KV cache)
-        turns a success into a drop signal for the algorithm.
-        """
+    def _end(self, now: float, ending: int, tpot: float, ttft: float, congested: bool) -> None:
         inflight = self.inflight + self.remote  # the batch the node ran, every replica's
         weight = self._weight()
         self.inflight -= 1
-        if ending == "success":
+        if ending == _SUCCESS:
             self.successes += 1
             self.algorithm.on_sample(now, tpot, ttft, inflight, congested, weight)
-        elif ending == "dropped":
+        elif ending == _DROPPED:
             self.dropped += 1
             self.algorithm.on_sample(now, 0.0, 0.0, inflight, True, weight)
         else:
             self.ignored += 1
+
+
+_SUCCESS, _DROPPED, _IGNORED = 0, 1, 2
+
+
+class Permit:
+    """One request's permit on a node's :class:`Limiter`, which ends exactly once:
+    as a success (a sample for the limit), a drop (the node's overload signal) or
+    ignored (the ending says nothing of the node's load: a client gone, a failure
+    of another kind). A second ending changes nothing and returns False.
+
+    Netflix concurrency-limits' listener (``onSuccess``, ``onDropped``,
+    ``onIgnore``), as a value the request holds."""
+
+    __slots__ = ("_limiter", "ended")
+
+    def __init__(self, limiter: Limiter) -> None:
+        self._limiter: Limiter | None = limiter
+        self.ended = False
+
+    @property
+    def limiter(self) -> Limiter | None:
+        """The limiter the permit was taken from (None once it ended)."""
+        return self._limiter
+
+    def succeeded(self, now: float, tpot: float, ttft: float, congested: bool = False) -> bool:
+        """The request was served: its TPOT and node-side TTFT are the limit's sample.
+        ``congested`` (the engine reports a queue with a nearly full KV cache) turns
+        it into a drop signal for the algorithm."""
+        return self._end(now, _SUCCESS, tpot, ttft, congested)
+
+    def dropped(self, now: float) -> bool:
+        """The node refused or timed out the request: the limit backs off."""
+        return self._end(now, _DROPPED, 0.0, 0.0, False)
+
+    def ignored(self) -> bool:
+        """The ending says nothing of the node's load."""
+        return self._end(0.0, _IGNORED, 0.0, 0.0, False)
+
+    def _end(self, now: float, ending: int, tpot: float, ttft: float, congested: bool) -> bool:
+        limiter = self._limiter
+        if limiter is None:
+            return False
+        self._limiter = None
+        self.ended = True
+        limiter._end(now, ending, tpot, ttft, congested)
+        return True
 
 
 def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:

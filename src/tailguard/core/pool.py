@@ -10,7 +10,7 @@ from typing import Any
 
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.fleet import Node
-from tailguard.core.limits import LimitConfig, Limiter
+from tailguard.core.limits import LimitConfig, Permit
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo
 from tailguard.core.predict import decode_step_s, prefill_s, running_batch
 from tailguard.core.prefix import PrefixIndex
@@ -86,7 +86,7 @@ class Ticket:
         self.pending_prefill = False  # its prefill sample waits for the cached-token count
         self.presumed = False  # prompt counted as prefilled without a first token
         self.released = False
-        self.permit: Limiter | None = None  # the node's limiter, when its pool has limits
+        self.permit: Permit | None = None  # on the node's limiter, when its pool has limits
         # The decode piece under way (on_stream_progress), from the first token on:
         # since when, from which token, the node's load then.
         self.seg_t = -1.0
