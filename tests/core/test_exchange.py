@@ -22,6 +22,7 @@ from tailguard.core.exchange import (
     Exchange,
     Fail,
     Failure,
+    Phase,
     Queue,
     Refuse,
     Request,
@@ -103,6 +104,26 @@ def test_connect_failure_then_a_retry_elsewhere(settled: list[Balancer]) -> None
     assert ex.finished(second, 1.0, Outcome.OK, 50) == ()
     assert ex.ended == "ok" and ex.tried == [first.node_id, second.node_id]
     assert charged(b, first.node_id) == 1  # a connect failure is judged
+
+
+def test_phases_follow_the_table(settled: list[Balancer]) -> None:
+    b = balancer(1, limit=1, queue=True)
+    settled.append(b)
+    first, second = exchange(b), exchange(b)
+    copy = dispatched(first.arrive(0.0))
+    assert first.phase is Phase.TRYING
+    assert isinstance(only(second.arrive(0.0), Queue), Queue)
+    assert second.phase is Phase.QUEUED
+    first.first_chunk(copy, 0.1)
+    assert first.phase is Phase.STREAMING
+    assert first.first_chunk(copy, 0.2) == ()  # stale: changes nothing
+    first.finished(copy, 1.0, Outcome.OK, 50)
+    assert (first.phase, first.ended) == (Phase.ENDED, "ok")
+    [(ex, actions)] = pump(b, 1.0)
+    assert ex is second and second.phase is Phase.TRYING
+    second.client_gone(1.1)
+    assert (second.phase, second.ended) == (Phase.ENDED, "client_gone")
+    assert second.client_gone(1.2) == () and second.phase is Phase.ENDED
 
 
 def test_a_429_then_success(settled: list[Balancer]) -> None:

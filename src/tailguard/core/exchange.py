@@ -46,15 +46,25 @@ A copy is *committed* at its first chunk (or its complete answer): from then
 on no retry and no hedge, and a failure ends the exchange with
 ``Fail(committed=True)`` (the gateway ends the stream with an SSE error event).
 
-Size (about 450 lines, over the ~400 guide): one state machine, this
-docstring its diagram; the actions and events are already apart in
-``core/exchange_types.py``. Splitting the transitions over files would make
-the one path through a request harder to follow.
+The exchange is in one :class:`Phase` at a time, and moves only as
+:data:`MOVES` allows (an event that finds it elsewhere is stale and changes
+nothing)::
+
+    NEW --arrive--> QUEUED --queue_decision--> TRYING --first chunk--> STREAMING
+     |                |                          |  ^ retry, hedge        |
+     +----------------+--------------------------+--+---------------------+--> ENDED
+
+``TRYING`` holds the copies before one commits (the first, retries, the
+hedge's race); how an ended exchange ended is :attr:`Exchange.ended`. Each
+copy has its own state (sent, committed, ended: ``exchange_types.Copy``).
+The actions and events are in ``core/exchange_types.py``.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from tailguard.core.admission import Shed, Waiter
@@ -82,21 +92,41 @@ from tailguard.core.hedging import Hedger
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
 
 
+class Phase(enum.Enum):
+    """Where a request is in its lifecycle (see the module docstring)."""
+
+    NEW = "new"  # made, not arrived
+    QUEUED = "queued"  # waiting in its pool's admission queue
+    TRYING = "trying"  # copies sent, none committed: retries and the hedge's race
+    STREAMING = "streaming"  # one copy committed: its answer is the client's
+    ENDED = "ended"
+
+
+MOVES: Mapping[Phase, frozenset[Phase]] = {
+    Phase.NEW: frozenset({Phase.QUEUED, Phase.TRYING, Phase.ENDED}),
+    Phase.QUEUED: frozenset({Phase.TRYING, Phase.ENDED}),
+    Phase.TRYING: frozenset({Phase.STREAMING, Phase.ENDED}),
+    Phase.STREAMING: frozenset({Phase.ENDED}),
+    Phase.ENDED: frozenset(),
+}
+
+
 class Exchange:
     """The lifecycle of one request; see the module docstring."""
 
     # No __slots__: the fields below that most requests never change are class
     # defaults, so making an exchange sets six attributes, not nineteen (the
     # simulator makes one per request).
+    phase = Phase.NEW
     t_arrival = 0.0
     attempts = 0  # copies sent that were not the hedge
-    waiter: Waiter | None = None
-    committed: Copy | None = None
+    waiter: Waiter | None = None  # its place in the queue while QUEUED
+    committed: Copy | None = None  # the copy whose answer the client gets
     served = False  # a node answered it (2xx)
     hedged = False
     hedge_result: str | None = None  # won | lost | failed, once a hedge went out
     verdict: tuple[str, int] | None = None  # (node | request | unknown, 5xx count)
-    ended: str | None = None  # ok | client_error | failed | shed | client_gone
+    ended: str | None = None  # once ENDED: ok | client_error | failed | shed | client_gone
     _pending_5xx: list[str] | None = None  # nodes whose 5xx waits for a second opinion
     _timer_at = 0.0
 
@@ -127,6 +157,7 @@ class Exchange:
                           ttft_s=r.ttft_s, size_bytes=r.size_bytes, payload=self,
                           prefix=r.prefix, session=r.session)
             if isinstance(got, Waiter):
+                self._to(Phase.QUEUED)
                 self.waiter = got
                 return (Queue(got),)
             if isinstance(got, Shed):
@@ -141,7 +172,7 @@ class Exchange:
     def queue_decision(self, decision: Ticket | Shed, now: float) -> tuple[Action, ...]:
         """The balancer's queue placed the request on a node, or shed it."""
         self.waiter = None
-        if self.ended is not None:  # it left meanwhile: give the permit back
+        if self.phase is not Phase.QUEUED:  # it left meanwhile: give the permit back
             if isinstance(decision, Ticket):
                 self.balancer.on_finish(decision, now, Outcome.CLIENT_CANCELLED, 0)
             return NONE
@@ -152,7 +183,8 @@ class Exchange:
     def sent(self, copy: Copy, now: float) -> tuple[Action, ...]:
         """``copy`` left for its node: the hedge's clock starts with the first copy sent."""
         h = self.hedger
-        if h is None or self.hedged or copy.hedge or copy.state != SENT or self.ended:
+        if h is None or self.hedged or copy.hedge or copy.state != SENT \
+                or self.phase is not Phase.TRYING:
             return NONE
         after = h.hedge_after(copy.ticket.node.spec.gpu_class, self._expected(copy.ticket))
         if after is None:
@@ -163,8 +195,7 @@ class Exchange:
     def timer(self, now: float) -> tuple[Action, ...]:
         """An armed timer fired: perhaps send the hedge."""
         h = self.hedger
-        if (h is None or self.hedged or self.committed is not None or self.ended is not None
-                or now < self._timer_at):
+        if h is None or self.hedged or self.phase is not Phase.TRYING or now < self._timer_at:
             return NONE  # stale: the race was decided, or the timer was moved
         primary = self._live()
         if primary is None:
@@ -196,7 +227,7 @@ class Exchange:
         (:meth:`Balancer.on_first_token`). A late chunk of a cancelled copy is
         ignored (empty answer; the driver has been told to cancel it).
         """
-        if copy.state != SENT or self.ended is not None:
+        if copy.state != SENT or self.phase is not Phase.TRYING:
             return NONE
         return self._commit(copy, now, served, True, defer_prefill)
 
@@ -206,7 +237,7 @@ class Exchange:
 
         ``final``: no retry whatever is left (the endpoint picker learns of a
         failure only once the data plane has run out of fallbacks)."""
-        if copy.state == ENDED or self.ended is not None:
+        if copy.state == ENDED or self.phase is Phase.ENDED:
             return NONE
         b = self.balancer
         if copy.state == COMMITTED:
@@ -244,7 +275,7 @@ class Exchange:
         there whatever its load (the request is there already). Its
         :class:`Dispatch` is the driver's to note, not to send. An unknown
         ``node_id`` ends the exchange: no node of the fleet serves it."""
-        if copy.state != SENT or self.ended is not None:
+        if copy.state != SENT or self.phase is not Phase.TRYING:
             return NONE
         self._drop(copy, now, failure)
         self.budget.try_spend(now)  # it happened anyway: the budget learns of it
@@ -259,7 +290,7 @@ class Exchange:
         """``copy``'s answer is complete: ``Outcome.OK``, or ``CLIENT_ERROR`` for an
         engine's own 4xx passed on. A complete answer with no first chunk before
         (not streamed, or a one-token stream) commits it here."""
-        if copy.state == ENDED or self.ended is not None:
+        if copy.state == ENDED or self.phase is Phase.ENDED:
             return NONE
         actions = NONE
         if copy.state == SENT:
@@ -275,14 +306,14 @@ class Exchange:
     def streaming(self, copy: Copy, tokens: int, now: float) -> float:
         """``tokens`` of ``copy``'s committed stream have arrived by ``now`` (the
         detector judges long answers piece by piece); returns when to tell again."""
-        if copy.state != COMMITTED or self.ended is not None:
+        if copy.state != COMMITTED or self.phase is not Phase.STREAMING:
             return math.inf
         return self.balancer.on_stream_progress(copy.ticket, tokens, now)
 
     def client_gone(self, now: float, output_tokens: int = 0,
                     cached_tokens: int | None = None) -> tuple[Action, ...]:
         """The client left (disconnected, or read too slowly): stop everything."""
-        if self.ended is not None:
+        if self.phase is Phase.ENDED:
             return NONE
         b = self.balancer
         if self.waiter is not None:
@@ -323,6 +354,7 @@ class Exchange:
 
     def _dispatch(self, ticket: Ticket, now: float, retry_of: Outcome | None,
                   hedge: bool) -> Dispatch:
+        self._to(Phase.TRYING)
         c = Copy(ticket, hedge)
         self.copies.append(c)
         if not hedge:
@@ -350,6 +382,7 @@ class Exchange:
 
     def _commit(self, copy: Copy, now: float, served: bool, first_token: bool,
                 defer_prefill: bool) -> tuple[Action, ...]:
+        self._to(Phase.STREAMING)
         copy.state = COMMITTED
         self.committed = copy
         ticket = copy.ticket
@@ -413,8 +446,16 @@ class Exchange:
         self._end("failed")
         return (Fail(failure, node_id, committed),)
 
+    def _to(self, phase: Phase) -> None:
+        if phase is not self.phase:
+            if phase not in MOVES[self.phase]:
+                raise RuntimeError(f"exchange moved from {self.phase.value} to {phase.value}")
+            self.phase = phase
+
     def _end(self, how: str) -> None:
-        assert self.ended is None, f"exchange ended twice ({self.ended}, then {how})"
+        if self.phase is Phase.ENDED:
+            raise RuntimeError(f"exchange ended twice ({self.ended}, then {how})")
+        self._to(Phase.ENDED)
         self.ended = how
         if self._pending_5xx:  # ended without another node's answer (gone, or a 4xx)
             self.verdict = ("unknown", len(self._pending_5xx))
@@ -445,6 +486,6 @@ def pump(balancer: Balancer, now: float) -> list[tuple[Exchange, tuple[Action, .
     return out
 
 
-__all__ = ["COMMITTED", "ENDED", "NO_CAPACITY", "RETRY_AFTER_S", "SENT", "Action", "ArmTimer", "Cancel", "Copy",
-           "Dispatch", "Exchange", "Fail", "Failure", "Queue", "Refuse", "Request", "RetryConfig",
-           "pump"]
+__all__ = ["COMMITTED", "ENDED", "MOVES", "NO_CAPACITY", "RETRY_AFTER_S", "SENT", "Action",
+           "ArmTimer", "Cancel", "Copy", "Dispatch", "Exchange", "Fail", "Failure", "Phase", "Queue",
+           "Refuse", "Request", "RetryConfig", "pump"]
