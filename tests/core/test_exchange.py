@@ -402,3 +402,21 @@ def test_the_subset_excludes_nodes_from_every_copy(settled: list[Balancer]) -> N
     first = dispatched(ex.arrive(0.0))
     assert first.node_id == "n2" and ex.fallbacks(0.0) == []
     assert type(ex.failed(first, 0.01, CONNECT)[0]) is Fail  # no node left inside it
+
+
+def test_the_core_classifies_how_a_stream_ended(settled: list[Balancer]) -> None:
+    b = balancer()
+    settled.append(b)
+    served, errored, empty = exchange(b), exchange(b), exchange(b)
+    copies = [dispatched(ex.arrive(0.0)) for ex in (served, errored, empty)]
+    served.first_chunk(copies[0], 0.5)
+    end = served.stream_ended(copies[0], 2.5, tokens=11)
+    assert end.failure is None and end.tpot == pytest.approx(0.2) and served.ended == "ok"
+    errored.first_chunk(copies[1], 0.5)
+    end = errored.stream_ended(copies[1], 1.0, tokens=4, engine_error=True)
+    assert end.failure is not None and not end.failure.judged and end.error == "engine_error"
+    assert errored.ended == "failed"  # committed: no retry
+    end = empty.stream_ended(copies[2], 1.0, tokens=0, data=False, final=True)
+    assert end.failure is not None and end.failure.status == 502 and empty.ended == "failed"
+    # An unjudged failure is charged to nobody without a second opinion.
+    assert all(charged(b, c.node_id) == 0 for c in copies)

@@ -71,7 +71,9 @@ from tailguard.core.admission import Shed, Waiter
 from tailguard.core.balancer import Balancer, Ticket
 from tailguard.core.exchange_types import (
     COMMITTED,
+    EMPTY_STREAM,
     ENDED,
+    ENGINE_ERROR,
     NO_CAPACITY,
     NONE,
     RETRY_AFTER_S,
@@ -86,6 +88,8 @@ from tailguard.core.exchange_types import (
     Queue,
     Refuse,
     Request,
+    StreamEnd,
+    client_tpot,
 )
 from tailguard.core.fleet import Outcome
 from tailguard.core.hedging import Hedger
@@ -303,6 +307,25 @@ class Exchange:
         self._end("ok" if outcome is Outcome.OK else "client_error")
         return actions
 
+    def stream_ended(self, copy: Copy, now: float, *, tokens: int, data: bool = True,
+                     engine_error: bool = False, cached_tokens: int | None = None,
+                     timed: bool = True, final: bool = False) -> StreamEnd:
+        """``copy``'s stream ended cleanly at the transport (the driver's own failures,
+        a reset or a timeout, go to :meth:`failed`), after ``tokens`` output tokens;
+        ``data``: any data came at all; ``engine_error``: its last event was the
+        engine's own error. The core classifies it: served, an empty stream or an
+        engine error (both unjudged 5xx: the request may have caused them).
+        ``final`` as for :meth:`failed`."""
+        if not data:
+            return StreamEnd(self.failed(copy, now, EMPTY_STREAM, final=final), EMPTY_STREAM,
+                             None, Outcome.UPSTREAM_5XX.value)
+        if engine_error:
+            return StreamEnd(self.failed(copy, now, ENGINE_ERROR, tokens, cached_tokens,
+                                         final=final), ENGINE_ERROR, None, "engine_error")
+        actions = self.finished(copy, now, Outcome.OK, tokens, timed=timed,
+                                cached_tokens=cached_tokens)
+        return StreamEnd(actions, None, client_tpot(copy.ticket.t_first, now, tokens))
+
     def streaming(self, copy: Copy, tokens: int, now: float) -> float:
         """``tokens`` of ``copy``'s committed stream have arrived by ``now`` (the
         detector judges long answers piece by piece); returns when to tell again."""
@@ -486,6 +509,26 @@ def pump(balancer: Balancer, now: float) -> list[tuple[Exchange, tuple[Action, .
     return out
 
 
-__all__ = ["COMMITTED", "ENDED", "MOVES", "NO_CAPACITY", "RETRY_AFTER_S", "SENT", "Action",
-           "ArmTimer", "Cancel", "Copy", "Dispatch", "Exchange", "Fail", "Failure", "Phase", "Queue",
-           "Refuse", "Request", "RetryConfig", "pump"]
+__all__ = [
+    "COMMITTED",
+    "ENDED",
+    "MOVES",
+    "NO_CAPACITY",
+    "RETRY_AFTER_S",
+    "SENT",
+    "Action",
+    "ArmTimer",
+    "Cancel",
+    "Copy",
+    "Dispatch",
+    "Exchange",
+    "Fail",
+    "Failure",
+    "Phase",
+    "Queue",
+    "Refuse",
+    "Request",
+    "RetryConfig",
+    "StreamEnd",
+    "pump",
+]

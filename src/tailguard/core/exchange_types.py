@@ -48,6 +48,14 @@ class Failure:
 
 NO_CAPACITY = "no_capacity"
 
+# A stream that ended with no data, or with the engine's own error event: the
+# request may have caused either, so the node is charged only once another
+# node serves the same request (judged=False).
+EMPTY_STREAM = Failure(Outcome.UPSTREAM_5XX, 502, "empty stream", "upstream_error", judged=False)
+ENGINE_ERROR = Failure(Outcome.UPSTREAM_5XX, 502, "engine error event", "upstream_error",
+                       judged=False)
+
+
 # Copy states.
 SENT, COMMITTED, ENDED = 0, 1, 2
 
@@ -121,3 +129,20 @@ class Fail(NamedTuple):
 
 Action = Dispatch | Queue | Cancel | ArmTimer | Refuse | Fail
 NONE: tuple[Action, ...] = ()
+
+
+def client_tpot(t_first: float, now: float, tokens: int) -> float | None:
+    """The time per output token a client got: the answer after its first token,
+    over the tokens after it (None for fewer than two tokens)."""
+    return (now - t_first) / (tokens - 1) if tokens >= 2 and t_first >= 0.0 else None
+
+
+class StreamEnd(NamedTuple):
+    """How a stream ended, as :meth:`Exchange.stream_ended` classified what the
+    driver saw: ``failure`` None when it was served, ``tpot`` the client's time per
+    output token then, ``error`` the metrics label of a failure."""
+
+    actions: tuple[Action, ...]
+    failure: Failure | None
+    tpot: float | None
+    error: str | None = None

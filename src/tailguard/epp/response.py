@@ -197,23 +197,17 @@ class ResponseSide:
             return
         tokens = counter.output_tokens()
         cached = counter.cached_tokens(ex.request.prompt_tokens)
-        if self.t_first == 0.0:  # a stream with no data
-            ex.failed(copy, now, Failure(Outcome.UPSTREAM_5XX, 502, "empty stream",
-                                         "upstream_error", judged=False), final=True)
-            metrics.upstream_error(copy.node_id, Outcome.UPSTREAM_5XX.value)
-            self._count(model, 502)
+        data = self.t_first != 0.0
+        # With no data, the data plane has no fallback left: final.
+        end = ex.stream_ended(copy, now, tokens=tokens, data=data,
+                              engine_error=counter.engine_error(), cached_tokens=cached,
+                              final=not data)
+        if end.failure is not None:
+            metrics.upstream_error(copy.node_id, end.error or end.failure.origin.value)
+            self._count(model, end.failure.status)
             return
-        if counter.engine_error():
-            ex.failed(copy, now, Failure(Outcome.UPSTREAM_5XX, 502, "engine error event",
-                                         "upstream_error", judged=False), tokens, cached)
-            metrics.upstream_error(copy.node_id, "engine_error")
-            self._count(model, 502)
-            return
-        ex.finished(copy, now, Outcome.OK, tokens, cached_tokens=cached)
-        t_first = self.t_first
-        tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
         metrics.answered(model, copy.node_id, gpu, now - self.t0, tokens,
-                         ttft=t_first - self.t0, tpot=tpot)
+                         ttft=self.t_first - self.t0, tpot=end.tpot)
         self._count(model, status)
 
     def _refuse(self, pool: str, status: int, message: str, code: str,

@@ -365,16 +365,6 @@ class Forwarder:
         timed = getattr(protocol, "write_pauses", 0) == pauses
         now = time.monotonic()
         cached = counter.cached_tokens(call.req.prompt_tokens)
-        if error is None and counter.engine_error():
-            # The engine ended the stream with its own error event: relayed as it
-            # is, but no success. The request may have caused it: unjudged.
-            note(origin="engine_error_mid_stream", tokens=tokens)
-            ex.failed(copy, now, Failure(Outcome.UPSTREAM_5XX, 502, "engine error event",
-                                         "upstream_error", judged=False), tokens, cached)
-            self.metrics.upstream_error(node.id, "engine_error")
-            count_answer(self.metrics, request, model, 502)
-            await _end_stream(out, write_s)
-            return out
         if error is not None:
             if error.origin is Outcome.TIMEOUT and not timed:
                 # The wait overlapped the client's stalls: not the node's failure.
@@ -386,10 +376,18 @@ class Forwarder:
             await _end_stream(out, write_s, sse_error_event(error.status, error.message,
                                                             error.code))
             return out
-        ex.finished(copy, now, Outcome.OK, tokens, timed=timed, cached_tokens=cached)
-        tpot = (now - t_first) / (tokens - 1) if tokens >= 2 else None
+        end = ex.stream_ended(copy, now, tokens=tokens, engine_error=counter.engine_error(),
+                              cached_tokens=cached, timed=timed)
+        if end.failure is not None:
+            # The engine ended the stream with its own error event: relayed as it
+            # is, but no success.
+            note(origin="engine_error_mid_stream", tokens=tokens)
+            self.metrics.upstream_error(node.id, end.error or "engine_error")
+            count_answer(self.metrics, request, model, end.failure.status)
+            await _end_stream(out, write_s)
+            return out
         self.metrics.answered(model, node.id, node.gpu_class, now - call.t0, tokens,
-                              ttft=t_first - call.t0, tpot=tpot, max_gap=max_gap)
+                              ttft=t_first - call.t0, tpot=end.tpot, max_gap=max_gap)
         note(ttft_s=round(t_first - call.t0, 4), tokens=tokens)
         count_answer(self.metrics, request, model, resp.status)
         await _end_stream(out, write_s)
