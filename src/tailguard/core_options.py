@@ -22,63 +22,16 @@ a scenario's fleet entry and of a fleet file's node::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
 from tailguard.config_file import check_keys, integer, number, require_mapping
 from tailguard.core.hardware import Catalog
-from tailguard.core.hedging import HedgeConfig
-from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, StageSpec
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
 
 # The keys a pipeline adds to a fleet entry or node (besides gpu and tp).
 PIPELINE_KEYS = ("pp", "stages", "split", "overlap", "microbatches", "link_gbps")
-
-
-def parse_dataclass_options(raw: Any, where: str, cls: Any, default: Any) -> Any:
-    """Build ``cls`` from a mapping of its field names (bool/int/float checked)."""
-    if raw is None:
-        return default
-    m = require_mapping(raw, where)
-    names = [f.name for f in fields(cls)]
-    check_keys(m, names, where)
-    kwargs: dict[str, Any] = {}
-    for f in fields(cls):
-        if f.name not in m:
-            continue
-        value = m[f.name]
-        base = getattr(default, f.name)
-        if isinstance(base, bool):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}.{f.name}", "must be true or false")
-        elif isinstance(base, int):
-            value = integer(m, f.name, where, base)
-        elif isinstance(base, float):
-            value = number(m, f.name, where, base, positive=False, minimum=0.0)
-        kwargs[f.name] = value
-    return cls(**{**{f.name: getattr(default, f.name) for f in fields(cls)}, **kwargs})
-
-
-def parse_outliers(raw: Any, where: str = "outliers") -> OutlierConfig:
-    cfg: OutlierConfig = parse_dataclass_options(raw, where, OutlierConfig, OutlierConfig())
-    if cfg.interval_s <= 0:
-        raise ConfigError(f"{where}.interval_s", "must be > 0")
-    if not 0.0 < cfg.max_ejection_share <= 1.0:
-        raise ConfigError(f"{where}.max_ejection_share", "must be in (0, 1]")
-    return cfg
-
-
-def parse_hedging(raw: Any, where: str = "hedging") -> HedgeConfig:
-    cfg: HedgeConfig = parse_dataclass_options(raw, where, HedgeConfig, HedgeConfig())
-    if not 0.0 < cfg.quantile < 1.0:
-        raise ConfigError(f"{where}.quantile", "must be in (0, 1)")
-    if not 0.0 <= cfg.budget <= 1.0:
-        raise ConfigError(f"{where}.budget", "must be in [0, 1]")
-    if cfg.burst < 1.0:
-        raise ConfigError(f"{where}.burst", "must be >= 1 (one hedge)")
-    return cfg
 
 
 def parse_layout(g: Mapping[str, Any], w: str, catalog: Catalog) -> Layout | None:

@@ -12,7 +12,6 @@ from tailguard.core.admission import (
     AdmissionQueue,
     Shed,
     Waiter,
-    parse_admission,
 )
 from tailguard.core.balancer import Balancer, PoolConfig, Ticket
 from tailguard.core.fleet import NodeSpec, Outcome
@@ -90,12 +89,6 @@ def test_cancel_leaves_at_once_and_expire() -> None:
     assert (q.length, q.bytes) == (2, 20)
     assert q.expire(1.5) == [a]
     assert drain(q) == ["c"]
-
-
-def test_parse_admission_and_priority_names() -> None:
-    assert parse_admission({"queue_max": 8}) == AdmissionConfig(queue_max=8)
-    with pytest.raises(ConfigError, match=r"admission\.queue_max"):
-        parse_admission({"queue_max": -1})
 
 
 def _balancer(queue_max: int = 16) -> Balancer:

@@ -18,7 +18,6 @@ from tailguard.core.limits import (
     LimitConfig,
     Limiter,
     _window_exceed_probability,
-    parse_limits,
 )
 from tailguard.core.policies import Slo
 from tailguard.core.predict import decode_step_s
@@ -151,18 +150,6 @@ def test_planned_limit_weaker_gpu_runs_smaller_batch() -> None:
     assert l4.step_time(small, small * 1100.0, int(p), p, p * p / 2) <= 0.09
     # A target below the bare weight-streaming time still allows one request.
     assert planned_limit(l4, 0.001, 1000, 200) == 1
-
-
-def test_parse_limits_errors_name_the_field() -> None:
-    assert parse_limits(None) is None
-    cfg = parse_limits({"kind": "aimd", "max": 32})
-    assert cfg == LimitConfig(kind="aimd", max_limit=32)
-    with pytest.raises(ConfigError, match=r"limits\.kind"):
-        parse_limits({"kind": "vegas"})
-    with pytest.raises(ConfigError, match=r"limits\.max"):
-        parse_limits({"min": 8, "max": 4})
-    with pytest.raises(ConfigError, match=r"limits\.colour"):
-        parse_limits({"colour": 1})
 
 
 def _balancer(limits: LimitConfig | None) -> Balancer:

@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from tailguard.errors import ConfigError
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 PRIORITY_NAMES = ("high", "normal", "low")
@@ -317,47 +315,6 @@ class AdmissionQueue:
         return late
 
 
-def parse_admission(raw: Any, where: str = "admission") -> AdmissionConfig | None:
-    """Validate an ``admission:`` mapping (None: no queue)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, "must be a mapping like {queue_max: 256}")
-    allowed = ("queue_max", "queue_max_bytes", "shed_on_predicted_wait", "expire", "rate_tau_s",
-               "min_retry_after_s")
-    for key in raw:
-        if key not in allowed:
-            raise ConfigError(f"{where}.{key}", "unknown key", list(allowed))
-    base = AdmissionConfig()
-
-    def integer(key: str, default: int, lo: int) -> int:
-        v = raw.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"{where}.{key}", f"must be an integer >= {lo}, got {v!r}")
-        return v
-
-    def flag(key: str, default: bool) -> bool:
-        v = raw.get(key, default)
-        if not isinstance(v, bool):
-            raise ConfigError(f"{where}.{key}", "must be true or false")
-        return v
-
-    def num(key: str, default: float) -> float:
-        v = raw.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-            raise ConfigError(f"{where}.{key}", f"must be a number > 0, got {v!r}")
-        return float(v)
-
-    return AdmissionConfig(
-        queue_max=integer("queue_max", base.queue_max, 0),
-        queue_max_bytes=integer("queue_max_bytes", base.queue_max_bytes, 0),
-        shed_on_predicted_wait=flag("shed_on_predicted_wait", base.shed_on_predicted_wait),
-        expire=flag("expire", base.expire),
-        rate_tau_s=num("rate_tau_s", base.rate_tau_s),
-        min_retry_after_s=num("min_retry_after_s", base.min_retry_after_s),
-    )
-
-
 __all__ = [
     "PRIORITIES",
     "PRIORITY_NAMES",
@@ -365,5 +322,4 @@ __all__ = [
     "AdmissionQueue",
     "Shed",
     "Waiter",
-    "parse_admission",
 ]

@@ -96,11 +96,8 @@ in ``core/limit_plan.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-from tailguard.errors import ConfigError
+from typing import Protocol
 
 LIMIT_KINDS = ("gradient", "aimd", "fixed")
 
@@ -477,56 +474,6 @@ class Permit:
         return True
 
 
-def parse_limits(raw: Any, where: str = "limits") -> LimitConfig | None:
-    """Validate a ``limits:`` mapping (None: no limits)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, "must be a mapping like {kind: gradient}")
-    allowed = ("kind", "initial", "min", "max", "target", "percentile", "window", "update_every",
-               "smoothing", "backoff", "kv_full", "input_tokens", "output_tokens", "slow_start")
-    for key in raw:
-        if key not in allowed:
-            raise ConfigError(f"{where}.{key}", "unknown key", list(allowed))
-    kind = raw.get("kind", "gradient")
-    if kind not in LIMIT_KINDS:
-        raise ConfigError(f"{where}.kind", f"unknown limit kind {kind!r}", list(LIMIT_KINDS))
-
-    def num(key: str, default: float, lo: float, hi: float = math.inf) -> float:
-        v = raw.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-            raise ConfigError(f"{where}.{key}", f"must be a number in [{lo:g}, {hi:g}], got {v!r}")
-        return float(v)
-
-    def opt_int(key: str) -> int | None:
-        v = raw.get(key)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{where}.{key}", f"must be an integer >= 1, got {v!r}")
-        return v
-
-    def opt_num(key: str) -> float | None:
-        return num(key, 1.0, 1.0) if raw.get(key) is not None else None
-
-    slow_start = raw.get("slow_start", True)
-    if not isinstance(slow_start, bool):
-        raise ConfigError(f"{where}.slow_start", "must be true or false")
-    lo = opt_int("min") or 1
-    hi = opt_int("max")
-    if hi is not None and hi < lo:
-        raise ConfigError(f"{where}.max", f"must be >= min ({lo})")
-    return LimitConfig(
-        kind=str(kind), initial=opt_int("initial"), min_limit=lo, max_limit=hi,
-        target=num("target", 0.9, 0.05, 2.0), percentile=num("percentile", 0.99, 0.5, 1.0),
-        window=int(num("window", 40, 1)),
-        update_every=int(num("update_every", 10, 1)), smoothing=num("smoothing", 0.2, 0.0, 1.0),
-        backoff=num("backoff", 0.9, 0.1, 1.0), kv_full=num("kv_full", 0.95, 0.0, 1.0),
-        input_tokens=opt_num("input_tokens"), output_tokens=opt_num("output_tokens"),
-        slow_start=slow_start,
-    )
-
-
 __all__ = [
     "LIMIT_KINDS",
     "AimdLimit",
@@ -535,5 +482,4 @@ __all__ = [
     "Limit",
     "LimitConfig",
     "Limiter",
-    "parse_limits",
 ]

@@ -51,18 +51,18 @@ from typing import Any
 
 from yarl import URL
 
-from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
-from tailguard.core.admission import parse_admission
-from tailguard.core.hardware import DEFAULT_CATALOG, Catalog
-from tailguard.core.limits import parse_limits
-from tailguard.core.policies import DEFAULT_POLICY, make_policy, policy_names
-from tailguard.core.retry_budget import RetryConfig
-from tailguard.core_options import (
-    parse_hedging,
-    parse_layout,
-    parse_outliers,
-    parse_slo,
+from tailguard.config import parse_core
+from tailguard.config.options import (
+    AdmissionBlock,
+    HedgingBlock,
+    LimitsBlock,
+    OutliersBlock,
+    RetriesBlock,
 )
+from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
+from tailguard.core.hardware import DEFAULT_CATALOG, Catalog
+from tailguard.core.policies import DEFAULT_POLICY, make_policy, policy_names
+from tailguard.core_options import parse_layout, parse_slo
 from tailguard.errors import ConfigError
 from tailguard.gateway.discovery_config import parse_discovery
 from tailguard.gateway.settings import (
@@ -176,21 +176,6 @@ def parse_timeouts(raw: Any, where: str) -> Timeouts:
                     number(m, "total_s", where, b.total_s))
 
 
-def parse_retries(raw: Any, where: str) -> RetryConfig:
-    if raw is None:
-        return RetryConfig()
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = {"attempts": raw}
-    m = require_mapping(raw, where)
-    check_keys(m, ("attempts", "budget", "min_per_s"), where, extensions=True)
-    b = RetryConfig()
-    budget = number(m, "budget", where, b.budget, positive=False, minimum=0.0)
-    if budget > 1.0:
-        raise ConfigError(f"{where}.budget", f"must be in [0, 1] (a share of requests), got {budget}")
-    return RetryConfig(integer(m, "attempts", where, b.attempts),
-                         budget, number(m, "min_per_s", where, b.min_per_s, positive=False, minimum=0.0))
-
-
 def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG) -> PoolSettings:
     m = require_mapping(raw if raw is not None else {}, where)
     check_keys(m, POOL_KEYS, where, extensions=True)
@@ -209,10 +194,12 @@ def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATAL
                               [x.name for x in catalog.models])
     return PoolSettings(name, policy, options, slo, catalog_model,
                         parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
-                        parse_retries(m.get("retries"), f"{where}.retries"),
-                        parse_limits(m.get("limits"), f"{where}.limits"),
-                        parse_admission(m.get("admission"), f"{where}.admission"),
-                        parse_hedging(m.get("hedging"), f"{where}.hedging"))
+                        parse_core(RetriesBlock, m.get("retries"), f"{where}.retries"),
+                        parse_core(LimitsBlock, m.get("limits"), f"{where}.limits",
+                                   optional=True),
+                        parse_core(AdmissionBlock, m.get("admission"), f"{where}.admission",
+                                   optional=True),
+                        parse_core(HedgingBlock, m.get("hedging"), f"{where}.hedging"))
 
 
 def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
@@ -388,7 +375,7 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         catalog=catalog,
         path=path,
         warnings=tuple(warnings),
-        outliers=parse_outliers(m.get("outliers")),
+        outliers=parse_core(OutliersBlock, m.get("outliers"), "outliers"),
         remediation=parse_remediation(m.get("remediation")),
         discovery=parse_discovery(m.get("discovery")),
         shared_state=parse_shared_state(m.get("shared_state")),

@@ -31,21 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailguard.config import parse_core
+from tailguard.config.options import AdmissionBlock, HedgingBlock, LimitsBlock, OutliersBlock
 from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
-from tailguard.core.admission import AdmissionConfig, parse_admission
+from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
-from tailguard.core.limits import LimitConfig, parse_limits
+from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, PipelinePerf
 from tailguard.core.policies import Slo, policy_names
-from tailguard.core_options import (
-    PIPELINE_KEYS,
-    parse_hedging,
-    parse_layout,
-    parse_outliers,
-    parse_slo,
-)
+from tailguard.core_options import PIPELINE_KEYS, parse_layout, parse_slo
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.workload import WorkloadSpec, parse_workload
@@ -320,10 +316,13 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     if not isinstance(telemetry, bool):
         raise ConfigError("gpu_telemetry", "must be true or false")
     return Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, faults,
-                    scenario.policies, catalog, parse_outliers(m.get("outliers")),
-                    limits=parse_limits(m.get("limits")),
-                    admission=parse_admission(m.get("admission")),
-                    hedging=parse_hedging(m.get("hedging")), gpu_telemetry=telemetry)
+                    scenario.policies, catalog,
+                    parse_core(OutliersBlock, m.get("outliers"), "outliers"),
+                    limits=parse_core(LimitsBlock, m.get("limits"), "limits", optional=True),
+                    admission=parse_core(AdmissionBlock, m.get("admission"), "admission",
+                                         optional=True),
+                    hedging=parse_core(HedgingBlock, m.get("hedging"), "hedging"),
+                    gpu_telemetry=telemetry)
 
 
 def load_scenario(path: str | Path) -> Scenario:

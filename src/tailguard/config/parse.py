@@ -1,0 +1,152 @@
+"""The one way a configuration block is read: :func:`parse`.
+
+Every block of a fleet file, scenario or inventory is a pydantic v2 model
+(:class:`Block`: unknown keys refused, values strict, so ``"8"`` is not a
+number and ``true`` not an integer), validated here, and a failure becomes a
+:class:`~tailguard.errors.ConfigError` naming the dotted field
+(``pools.m.limits.kind``), which the CLI turns into one line and exit code 2.
+Keys starting with ``x-`` are the user's own (notes, tooling) and are ignored.
+
+A block that configures part of the decision core is built from that part's
+frozen dataclass (:func:`block_for`): the dataclass stays the one place its
+fields, types and defaults are written, the block adds the bounds a file's
+values must keep, and :meth:`Block.core` returns the dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from tailguard.errors import ConfigError
+
+B = TypeVar("B", bound="Block")
+
+
+class Block(BaseModel):
+    """A configuration block (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True,
+                              allow_inf_nan=False)
+    # The core dataclass this block builds (None: a block of its own).
+    CORE: ClassVar[Any] = None
+    # A bare value standing for the whole block, as this key (``retries: 2``).
+    SHORTHAND: ClassVar[str | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read(cls, data: Any) -> Any:
+        if cls.SHORTHAND is not None and not isinstance(data, Mapping) and data is not None:
+            return {cls.SHORTHAND: data}
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items()
+                    if not (isinstance(k, str) and k.startswith("x-"))}
+        return data
+
+    def core(self) -> Any:
+        """The core's frozen dataclass of this block."""
+        assert self.CORE is not None, f"{type(self).__name__} builds no core object"
+        return self.CORE(**{name: getattr(self, name) for name in type(self).model_fields})
+
+
+def block_for(cls: type[Any], *, bounds: Mapping[str, Mapping[str, Any]] | None = None,
+              aliases: Mapping[str, str] | None = None, shorthand: str | None = None,
+              types: Mapping[str, Any] | None = None,
+              validators: Mapping[str, Any] | None = None) -> type[Block]:
+    """A :class:`Block` with the fields of the dataclass ``cls``, their defaults, and
+    ``bounds`` (pydantic ``Field`` arguments by field). Without bounds of their own,
+    integers must be >= 1 and numbers >= 0 (and finite). ``aliases``: the key a file
+    spells a field with; ``types``: a narrower type for a field (a ``Literal``);
+    ``validators``: pydantic validators, for rules across fields."""
+    hints = {**typing.get_type_hints(cls), **(types or {})}
+    bounds = dict(bounds or {})
+    aliases = dict(aliases or {})
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        factory: Any = f.default_factory
+        default = f.default if f.default is not dataclasses.MISSING else factory()
+        limits = bounds.pop(f.name, None)
+        if limits is None:
+            base = typing.get_args(kind)[0] if isinstance(kind, _UnionType) else kind
+            limits = {"ge": 1} if base is int else {"ge": 0.0} if base is float else {}
+        fields[f.name] = (kind, Field(default, alias=aliases.pop(f.name, None), **limits))
+    assert not bounds and not aliases, f"no such field of {cls.__name__}: {bounds or aliases}"
+    model = create_model(f"{cls.__name__}Block", __base__=Block,
+                         __validators__=dict(validators or {}), **fields)
+    model.CORE = cls
+    model.SHORTHAND = shorthand
+    return model
+
+
+_UnionType = type(int | None)
+
+
+def parse(model: type[B], raw: Any, where: str) -> B:
+    """``raw`` (a parsed YAML or JSON value; None: every default) as ``model``, or a
+    ConfigError naming the first bad field under ``where``."""
+    try:
+        return model.model_validate({} if raw is None else raw)
+    except ValidationError as exc:
+        raise _config_error(model, exc, where) from None
+
+
+def parse_core(model: type[Block], raw: Any, where: str, *, optional: bool = False) -> Any:
+    """The core dataclass of a block (:meth:`Block.core`); None for an ``optional``
+    block the file leaves out (no limits, no queue)."""
+    if optional and raw is None:
+        return None
+    return parse(model, raw, where).core()
+
+
+def _config_error(model: type[Block], exc: ValidationError, where: str) -> ConfigError:
+    err = exc.errors(include_url=False)[0]
+    path = where
+    for part in err["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part:
+            path = f"{path}.{part}" if path else str(part)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        target = _model_at(model, err["loc"][:-1])
+        allowed = [info.alias or name for name, info in target.model_fields.items()]
+        return ConfigError(path, "unknown key", allowed)
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+    message = str(err["msg"])
+    for prefix, said in (("Value error, ", ""), ("Input should be ", "must be "),
+                         ("Input should ", "must ")):
+        if message.startswith(prefix):
+            message = said + message[len(prefix):]
+    message = message[:1].lower() + message[1:]
+    if kind not in ("missing",) and not isinstance(value, Mapping):
+        if isinstance(value, float) and not math.isfinite(value):
+            message = "must be finite"
+        message += f", got {value!r}"
+    return ConfigError(path, message)
+
+
+def _model_at(model: type[Block], loc: tuple[Any, ...]) -> type[Block]:
+    """The (nested) block a location's last key belongs to."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(str(part))
+        if info is None:
+            break
+        inner = info.annotation
+        for arg in (inner, *typing.get_args(inner)):
+            if isinstance(arg, type) and issubclass(arg, Block):
+                model = arg
+                break
+    return model
+
+
+__all__ = ["Block", "block_for", "parse", "parse_core"]
