@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import random
 
-import pytest
-
 from tailguard.core.admission import (
     AdmissionConfig,
     AdmissionQueue,
@@ -18,7 +16,6 @@ from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.limits import LimitConfig
 from tailguard.core.policies import Slo
-from tailguard.errors import ConfigError
 
 MODEL = "llama-3.1-8b"
 

@@ -119,7 +119,7 @@ def test_phases_follow_the_table(settled: list[Balancer]) -> None:
     assert first.first_chunk(copy, 0.2) == ()  # stale: changes nothing
     first.finished(copy, 1.0, Outcome.OK, 50)
     assert (first.phase, first.ended) == (Phase.ENDED, "ok")
-    [(ex, actions)] = pump(b, 1.0)
+    [(ex, _)] = pump(b, 1.0)
     assert ex is second and second.phase is Phase.TRYING
     second.client_gone(1.1)
     assert (second.phase, second.ended) == (Phase.ENDED, "client_gone")

@@ -21,7 +21,6 @@ from tailguard.core.limits import (
 )
 from tailguard.core.policies import Slo
 from tailguard.core.predict import decode_step_s
-from tailguard.errors import ConfigError
 
 MODEL = "llama-3.1-8b"
 

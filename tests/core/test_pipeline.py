@@ -163,3 +163,6 @@ def test_a_fleet_files_pipeline_node_reaches_the_router_and_recordings() -> None
     pp = parse_node({"id": "p1", "url": "http://127.0.0.1:9", "models": ["m"], "gpu": "A100",
                      "tp": 2, "pp": 2}, "nodes[1]")
     assert pp.gpu == "2xA100-80GB-PP2" and pp.layout is not None and pp.layout.gpus == 4
+    # The gateway's metrics and remediation name the class the detector judges by.
+    assert pp.gpu_class == pp.spec().gpu_class == "2xA100-80GB-PP2"
+    assert node.gpu_class == spec.gpu_class

@@ -60,6 +60,8 @@ from tailguard.config.options import (
     RetriesBlock,
 )
 from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
+from tailguard.core.balancer import PoolConfig
+from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog
 from tailguard.core.policies import DEFAULT_POLICY, make_policy, policy_names
 from tailguard.core_options import parse_layout, parse_slo
@@ -192,13 +194,13 @@ def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATAL
         if catalog.find_model(catalog_model) is None:
             raise ConfigError(f"{where}.catalog_model", f"unknown model {catalog_model!r}",
                               [x.name for x in catalog.models])
-    return PoolSettings(name, policy, options, slo, catalog_model,
-                        parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
+    core = PoolConfig(name, policy, options, slo, catalog_model,
+                      limits=parse_core(LimitsBlock, m.get("limits"), f"{where}.limits",
+                                        optional=True),
+                      admission=parse_core(AdmissionBlock, m.get("admission"),
+                                           f"{where}.admission", optional=True))
+    return PoolSettings(core, parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
                         parse_core(RetriesBlock, m.get("retries"), f"{where}.retries"),
-                        parse_core(LimitsBlock, m.get("limits"), f"{where}.limits",
-                                   optional=True),
-                        parse_core(AdmissionBlock, m.get("admission"), f"{where}.admission",
-                                   optional=True),
                         parse_core(HedgingBlock, m.get("hedging"), f"{where}.hedging"))
 
 
@@ -251,13 +253,13 @@ def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,
     dcgm_url = m.get("dcgm_url")
     if dcgm_url is not None:
         dcgm_url = parse_url(dcgm_url, f"{where}.dcgm_url")
-    return NodeConfig(
-        id=node_id, url=url, gpu=gpu, gpu_spec=gpu_spec, models=tuple(models_raw),
-        tp=integer(m, "tp", where, 1) if layout is None else layout.stages[0].tp, engine=engine,
-        labels={str(k): str(v) for k, v in labels.items()}, weight=weight,
-        max_num_seqs=integer(m, "max_num_seqs", where, 256), api_key_env=api_key_env,
-        dcgm_url=dcgm_url, faults=faults, emulator=dict(emulator), layout=layout,
-    )
+    spec = NodeSpec(
+        id=node_id, gpu=gpu_spec, gpu_name=gpu, models=tuple(models_raw),
+        tp=integer(m, "tp", where, 1) if layout is None else layout.stages[0].tp,
+        labels={str(k): str(v) for k, v in labels.items()}, weight=weight, url=url,
+        max_num_seqs=integer(m, "max_num_seqs", where, 256), layout=layout)
+    return NodeConfig(spec, engine=engine, api_key_env=api_key_env, dcgm_url=dcgm_url,
+                      faults=faults, emulator=dict(emulator))
 
 
 def _parse_api_keys(m: Mapping[str, Any]) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout
-from tailguard.core.policies import DEFAULT_POLICY, Slo
+from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
 from tailguard.core_options import PIPELINE_KEYS
 from tailguard.gateway.discovery_config import KubernetesDiscoveryConfig
@@ -68,50 +68,108 @@ class Timeouts:
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
-    """One served model name: routing policy, SLO, timeouts and retries."""
+    """One served model name: the decision core's pool (policy, SLO, limits, queue)
+    and what the gateway adds to it (timeouts, retries, hedging)."""
 
-    name: str
-    policy: str = DEFAULT_POLICY
-    policy_options: Mapping[str, Any] = field(default_factory=dict)
-    slo: Slo = field(default_factory=Slo)
-    catalog_model: str | None = None
+    core: PoolConfig
     timeouts: Timeouts = field(default_factory=Timeouts)
     retries: RetryConfig = field(default_factory=RetryConfig)
-    limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
-    admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
     hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
 
     def pool_config(self) -> PoolConfig:
         """The decision core's view of this pool."""
-        return PoolConfig(self.name, self.policy, self.policy_options, self.slo,
-                          self.catalog_model, limits=self.limits, admission=self.admission)
+        return self.core
+
+    @property
+    def name(self) -> str:
+        return self.core.name
+
+    @property
+    def policy(self) -> str:
+        return self.core.policy
+
+    @property
+    def policy_options(self) -> Mapping[str, Any]:
+        return self.core.policy_options
+
+    @property
+    def slo(self) -> Slo:
+        return self.core.slo
+
+    @property
+    def catalog_model(self) -> str | None:
+        return self.core.catalog_model
+
+    @property
+    def limits(self) -> LimitConfig | None:
+        """Per-node concurrency limits (core/limits.py)."""
+        return self.core.limits
+
+    @property
+    def admission(self) -> AdmissionConfig | None:
+        """The pool's queue (core/admission.py)."""
+        return self.core.admission
 
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
-    """One engine replica (``tp`` GPUs serving together) behind ``url``."""
+    """One engine replica: the decision core's node (its hardware, models, slots; its
+    ``url``, the base URL without a trailing slash: requests go to url + "/v1/...")
+    and what the gateway adds to it."""
 
-    id: str
-    url: str  # base URL without a trailing slash: requests go to url + "/v1/..."
-    gpu: str  # as written in the file
-    gpu_spec: GPU | None  # the catalog entry; None for a GPU the catalog does not know
-    models: tuple[str, ...]
-    tp: int = 1
+    core: NodeSpec
     engine: str | None = None  # one of ENGINES; None: detect from the metric names
-    labels: Mapping[str, str] = field(default_factory=dict)
-    weight: float | None = None
-    max_num_seqs: int = 256
     api_key_env: str | None = None  # env var holding the key the engine expects
     dcgm_url: str | None = None  # the node's DCGM exporter page (gateway/dcgm.py)
     faults: tuple[Mapping[str, Any], ...] = ()  # raw, for the emulator
     emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
-    layout: Layout | None = None  # a pipeline-parallel replica's stages (core/pipeline.py)
 
     def spec(self) -> NodeSpec:
         """The decision core's view of this node."""
-        return NodeSpec(id=self.id, gpu=self.gpu_spec, gpu_name=self.gpu, tp=self.tp,
-                        models=self.models, labels=dict(self.labels), weight=self.weight,
-                        url=self.url, max_num_seqs=self.max_num_seqs, layout=self.layout)
+        return self.core
+
+    @property
+    def id(self) -> str:
+        return self.core.id
+
+    @property
+    def url(self) -> str:
+        return self.core.url or ""
+
+    @property
+    def gpu(self) -> str:
+        """The GPU as the file names it."""
+        return self.core.gpu_name
+
+    @property
+    def gpu_spec(self) -> GPU | None:
+        """The catalog entry; None for a GPU the catalog does not know."""
+        return self.core.gpu
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.core.models
+
+    @property
+    def tp(self) -> int:
+        return self.core.tp
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self.core.labels
+
+    @property
+    def weight(self) -> float | None:
+        return self.core.weight
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.core.max_num_seqs
+
+    @property
+    def layout(self) -> Layout | None:
+        """A pipeline-parallel replica's stages (core/pipeline.py)."""
+        return self.core.layout
 
     @property
     def host(self) -> str:
@@ -129,7 +187,8 @@ class NodeConfig:
 
     @property
     def gpu_class(self) -> str:
-        return self.gpu_spec.name if self.gpu_spec else self.gpu
+        """What the node is compared with: the core's (a pipeline's layout, or its GPU)."""
+        return self.core.gpu_class
 
     def upstream_api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -220,7 +279,7 @@ class HealthSettings:
 @functools.lru_cache(maxsize=1024)
 def _default_pool(model: str) -> PoolSettings:
     # Immutable, so one per name; cached because the proxy asks per request.
-    return PoolSettings(model)
+    return PoolSettings(PoolConfig(model))
 
 
 @dataclass(frozen=True, slots=True)
