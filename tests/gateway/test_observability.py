@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace as NS
 from typing import Any
 
 import aiohttp
@@ -30,9 +29,7 @@ from multidict import CIMultiDict
 from tailguard.core.events import Event
 from tailguard.core.fleet import Actor, NodeState
 from tailguard.gateway.app import DASHBOARD, RunningGateway
-from tailguard.gateway.dashboard import pool_shed_total
 from tailguard.gateway.logs import JsonFormatter, TextFormatter
-from tailguard.gateway.metrics import node_limit, node_slowness, pool_queue_depth
 
 MSG = [{"role": "user", "content": "hello"}]
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -231,17 +228,3 @@ def test_serve_logs_json_lines(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
-def test_limit_slowness_and_queue_readers() -> None:
-    """Limiter, admission queue and outlier detector: read when the pool or node has them."""
-    cap = NS(decode_slowdown=1.5)
-    bare = NS(id="n", slots=64, limiter=None, class_decode_slowdown=1.2, capacity=cap)
-    assert node_limit(bare) == 64
-    assert node_limit(NS(**{**vars(bare), "limiter": NS(limit=12)})) == 12
-    assert node_slowness(bare) == pytest.approx(1.25)  # against its class, no detector
-    det = NS(health={"n": NS(slowness=3.1)})
-    assert node_slowness(bare, NS(outliers=det)) == 3.1
-    assert node_slowness(bare, NS(outliers=NS(health={}))) == pytest.approx(1.25)
-    assert pool_queue_depth(NS(queue=None)) == 0
-    assert pool_queue_depth(NS(queue=NS(length=3))) == 3
-    assert pool_shed_total(NS(queue=None)) == 0
-    assert pool_shed_total(NS(queue=NS(shed_total={"queue_full": 2, "deadline": 1}))) == 3

@@ -67,6 +67,7 @@ from tailguard.core.predict import (
 from tailguard.core.queueing import Admission, Decision
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
 from tailguard.core.shared import Peers, merged_speed
+from tailguard.core.snapshot import FleetSnapshot, snapshot
 from tailguard.errors import ConfigError
 
 # When the pool's model (or a node's GPU) is not in the catalog, the prior has
@@ -512,6 +513,14 @@ class Balancer:
         if events and self.recorder is not None:
             self.recorder({"t": now, "op": "events", "events": [event_to_dict(e) for e in events]})
         return events
+
+    def states(self) -> dict[str, NodeState]:
+        """Each node's state now (a copy): the cheap read for a watcher that polls."""
+        return {nid: n.state for nid, n in self.nodes.items()}
+
+    def snapshot(self, now: float) -> FleetSnapshot:
+        """A frozen read model of the fleet for observers (``core/snapshot.py``)."""
+        return snapshot(self.nodes, self.pools, self.outliers, self.double_release, now)
 
     def report(self, now: float, leader: bool) -> dict[str, Any]:
         """What this replica tells the others (``core/shared.py``); changes nothing."""

@@ -34,23 +34,11 @@ from typing import Any
 from aiohttp import web
 
 from tailguard.core.fleet import Node, NodeState
+from tailguard.core.snapshot import NodeSnapshot
 from tailguard.errors import ConfigError
 from tailguard.gateway.api_errors import error_response
 from tailguard.gateway.config import parse_node
 from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.metrics import capacity_tokens_per_s
-
-
-def outlier_view(fleet: LiveFleet, node_id: str) -> dict[str, Any] | None:
-    """What the outlier detector holds on a node (None when detection is off)."""
-    det = fleet.balancer.outliers
-    h = det.health.get(node_id) if det is not None else None
-    if h is None:
-        return None
-    node = fleet.balancer.nodes[node_id]
-    return {"slowness": round(h.slowness, 3), "weight_scale": round(node.weight_scale, 3),
-            "ejections": h.ejections, "consecutive_failures": h.consecutive_failures,
-            "stalls": node.stalls, "stalled_s": round(node.stalled_s, 3)}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -95,8 +83,8 @@ class AdminApi:
         return self.fleet.balancer.nodes.get(request.match_info["id"])
 
     async def list_nodes(self, request: web.Request) -> web.StreamResponse:
-        body: dict[str, Any] = {"nodes": [self.describe(n)
-                                          for n in self.fleet.balancer.nodes.values()]}
+        snap = self.fleet.balancer.snapshot(time.monotonic())
+        body: dict[str, Any] = {"nodes": [self.describe(n) for n in snap.nodes.values()]}
         if self.fleet.shared is not None:
             body["shared_state"] = self.fleet.shared.status()
         return _json(body)
@@ -117,14 +105,14 @@ class AdminApi:
         if node.id in self.fleet.balancer.nodes:
             return error_response(409, f"node id {node.id!r} is in use", "node_exists")
         self.fleet.add_node(node, dynamic=True)
-        return _json(self.describe(self.fleet.balancer.nodes[node.id]), 201)
+        return _json(self.describe_now(node.id), 201)
 
     async def drain(self, request: web.Request) -> web.StreamResponse:
         node = self._node(request)
         if node is None:
             return error_response(404, "no such node", "node_not_found")
         self.fleet.set_state(node.id, NodeState.DRAINING)
-        return _json(self.describe(node))
+        return _json(self.describe_now(node.id))
 
     async def resume(self, request: web.Request) -> web.StreamResponse:
         node = self._node(request)
@@ -133,7 +121,7 @@ class AdminApi:
         if self.fleet.retiring(node.id):
             return error_response(409, "the node is being removed", "node_retiring")
         self.fleet.set_state(node.id, NodeState.HEALTHY)
-        return _json(self.describe(node))
+        return _json(self.describe_now(node.id))
 
     async def cordon(self, request: web.Request) -> web.StreamResponse:
         """Out of rotation by hand; the outlier detector leaves a cordoned node alone."""
@@ -143,7 +131,7 @@ class AdminApi:
         self.fleet.set_state(node.id, NodeState.CORDONED)
         self.fleet.event_log.add({"node": node.id, "kind": "state", "state": "cordoned",
                                   "reason": "operator"})
-        return _json(self.describe(node))
+        return _json(self.describe_now(node.id))
 
     async def uncordon(self, request: web.Request) -> web.StreamResponse:
         node = self._node(request)
@@ -155,7 +143,7 @@ class AdminApi:
         self.fleet.set_state(node.id, NodeState.HEALTHY)
         self.fleet.event_log.add({"node": node.id, "kind": "state", "state": "healthy",
                                   "reason": "operator: uncordon"})
-        return _json(self.describe(node))
+        return _json(self.describe_now(node.id))
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Recent core events and remediation results; ``?since=<seq>`` for newer ones."""
@@ -170,9 +158,13 @@ class AdminApi:
         if node is None:
             return error_response(404, "no such node", "node_not_found")
         self.fleet.retire(node.id)
-        return _json(self.describe(node), 202)
+        return _json(self.describe_now(node.id), 202)
 
-    def describe(self, node: Node) -> dict[str, Any]:
+    def describe_now(self, node_id: str) -> dict[str, Any]:
+        """:meth:`describe` of a node as it is now."""
+        return self.describe(self.fleet.balancer.snapshot(time.monotonic()).nodes[node_id])
+
+    def describe(self, node: NodeSnapshot) -> dict[str, Any]:
         fleet = self.fleet
         cfg = fleet.nodes.get(node.id)
         mon = fleet.monitors.get(node.id)
@@ -214,27 +206,32 @@ class AdminApi:
             "retiring": fleet.retiring(node.id),
             "in_flight": node.in_flight,
             # On the node from the other gateway replicas (shared_state), as they last said.
-            "in_flight_elsewhere": node.remote_in_flight,
+            "in_flight_elsewhere": node.in_flight_elsewhere,
             "prefilling": node.prefilling,
             "decoding": node.decoding,
             "slots": node.slots,
             # Concurrency limit (core/limits.py): None when the pool has no limits.
             "limit": None if node.limiter is None else {
-                "limit": node.limiter.limit, "in_use": node.limiter.inflight,
-                "allowed_here": node.limiter.allowed,
+                "limit": node.limiter.limit, "in_use": node.limiter.in_use,
+                "allowed_here": node.limiter.allowed_here,
                 "successes": node.limiter.successes, "dropped": node.limiter.dropped,
                 "ignored": node.limiter.ignored},
             "dispatched_total": node.dispatched_total,
             "capacity": {
-                "decode_slowdown": node.capacity.decode_slowdown,
-                "prefill_slowdown": node.capacity.prefill_slowdown,
-                "tokens_per_s": capacity_tokens_per_s(fleet, node),
+                "decode_slowdown": node.decode_slowdown,
+                "prefill_slowdown": node.prefill_slowdown,
+                "tokens_per_s": node.capacity_tokens_per_s,
             },
-            "ttft_s": node.ttft.value if node.ttft.count else None,
-            "tpot_s": node.tpot.value if node.tpot.count else None,
-            "latency_s": node.latency.decayed(now),
+            "ttft_s": node.ttft_s,
+            "tpot_s": node.tpot_s,
+            "latency_s": node.latency_s,
             "engine_metrics": engine,
             "health": health,
             "telemetry": gpus,
-            "outliers": outlier_view(fleet, node.id),
+            "outliers": None if node.outliers is None else {
+                "slowness": round(node.outliers.slowness, 3),
+                "weight_scale": round(node.weight_scale, 3),
+                "ejections": node.outliers.ejections,
+                "consecutive_failures": node.outliers.consecutive_failures,
+                "stalls": node.stalls, "stalled_s": round(node.stalled_s, 3)},
         }

@@ -41,14 +41,8 @@ from typing import Any
 from aiohttp import web
 
 from tailguard.core.events import Event
-from tailguard.core.fleet import Node
+from tailguard.core.snapshot import FleetSnapshot, NodeSnapshot
 from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.metrics import (
-    capacity_tokens_per_s,
-    node_limit,
-    node_slowness,
-    pool_queue_depth,
-)
 
 WATCH_INTERVAL_S = 0.25
 MAX_EVENTS = 500
@@ -91,19 +85,19 @@ class Dashboard:
             self._watch()
 
     def _watch(self) -> None:
-        nodes = self.fleet.balancer.nodes
+        nodes = self.fleet.balancer.states()
         first = not self._primed
         self._primed = True
         self._read_event_log(first)
-        for node in list(nodes.values()):
-            state = node.state.value
-            before = self._states.get(node.id)
+        for node_id, node_state in nodes.items():
+            state = node_state.value
+            before = self._states.get(node_id)
             if before != state:
-                self._states[node.id] = state
+                self._states[node_id] = state
                 if not first and before is not None:
-                    self._add(time.time(), node.id, "state", state, f"was {before}")
+                    self._add(time.time(), node_id, "state", state, f"was {before}")
                 elif not first:
-                    self._add(time.time(), node.id, "added", state, "joined the fleet")
+                    self._add(time.time(), node_id, "added", state, "joined the fleet")
         for node_id in [n for n in self._states if n not in nodes]:
             del self._states[node_id]
             self._add(time.time(), node_id, "removed", "removed", "left the fleet")
@@ -156,33 +150,28 @@ class Dashboard:
 
     def snapshot(self) -> dict[str, Any]:
         """What the page draws (also handy for tests and scripts)."""
-        fleet = self.fleet
-        balancer = fleet.balancer
-        nodes = list(balancer.nodes.values())
+        snap = self.fleet.balancer.snapshot(time.monotonic())
+        nodes = list(snap.nodes.values())
         pools = []
-        for name, pool in list(balancer.pools.items()):
+        for name, pool in snap.pools.items():
             if not pool.nodes:
                 continue
             slo = pool.config.slo
-            states: dict[str, int] = {}
-            for n in pool.nodes:
-                states[n.state.value] = states.get(n.state.value, 0) + 1
             pools.append({
                 "name": name,
                 "policy": pool.config.policy,
                 "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s,
                         "attainment": slo.attainment},
                 "nodes": len(pool.nodes),
-                "states": states,
-                "queue_depth": pool_queue_depth(pool),
-                "shed_total": pool_shed_total(pool),
-                "capacity_tokens_per_s": round(sum(
-                    capacity_tokens_per_s(fleet, n) for n in pool.nodes if n.state.routable), 1),
+                "states": {st.value: n for st, n in pool.states.items() if n},
+                "queue_depth": pool.queue_depth,
+                "shed_total": sum(pool.shed_total.values()),
+                "capacity_tokens_per_s": round(pool.capacity_tokens_per_s, 1),
             })
         classes: dict[str, dict[str, Any]] = {}
         for n in nodes:
-            c = classes.setdefault(n.spec.gpu_class, {
-                "gpu": n.spec.gpu_class, "nodes": [],
+            c = classes.setdefault(n.gpu_class, {
+                "gpu": n.gpu_class, "nodes": [],
                 "decode_slowdown": round(n.class_decode_slowdown, 4),
                 "prefill_slowdown": round(n.class_prefill_slowdown, 4)})
             c["nodes"].append(n.id)
@@ -191,48 +180,43 @@ class Dashboard:
             "started": round(self._started, 3),
             "pools": pools,
             "classes": list(classes.values()),
-            "nodes": [self._node(n) for n in nodes],
+            "nodes": [self._node(n, snap) for n in nodes],
             "events": list(self.events)[-100:],
         }
 
-    def _node(self, n: Node) -> dict[str, Any]:
+    def _node(self, n: NodeSnapshot, snap: FleetSnapshot) -> dict[str, Any]:
         mon = self.fleet.monitors.get(n.id)
-        pool = self.fleet.balancer.pools.get(n.spec.models[0]) if n.spec.models else None
+        pool = snap.pools.get(n.spec.models[0]) if n.spec.models else None
         slo = pool.config.slo if pool is not None else None
+        engine = n.engine
         return {
             "id": n.id,
-            "gpu": n.spec.gpu_class,
+            "gpu": n.gpu_class,
             "state": n.state.value,
             "pool": pool.name if pool is not None else None,
             "in_flight": n.in_flight,
-            "limit": node_limit(n),
+            "limit": n.limit,
             "slots": n.slots,
             "dispatched_total": n.dispatched_total,
-            "ttft_s": round(n.ttft.value, 5) if n.ttft.count else None,
-            "tpot_s": round(n.tpot.value, 5) if n.tpot.count else None,
+            "ttft_s": round(n.ttft_s, 5) if n.ttft_s is not None else None,
+            "tpot_s": round(n.tpot_s, 5) if n.tpot_s is not None else None,
             "slo_ttft_s": slo.ttft_s if slo else None,
             "slo_tpot_s": slo.tpot_s if slo else None,
-            "decode_slowdown": round(n.capacity.decode_slowdown, 4),
-            "prefill_slowdown": round(n.capacity.prefill_slowdown, 4),
-            "slowness": round(node_slowness(n, self.fleet.balancer), 4),
+            "decode_slowdown": round(n.decode_slowdown, 4),
+            "prefill_slowdown": round(n.prefill_slowdown, 4),
+            "slowness": round(n.slowness, 4),
             "weight_scale": round(n.weight_scale, 4),
-            "capacity_tokens_per_s": round(capacity_tokens_per_s(self.fleet, n), 1),
+            "capacity_tokens_per_s": round(n.capacity_tokens_per_s, 1),
             "up": mon.up if mon is not None else None,
-            "engine_running": n.engine.running if n.engine.running >= 0 else None,
-            "engine_waiting": n.engine.waiting if n.engine.waiting >= 0 else None,
-            "kv_usage": round(n.engine.kv_usage, 4) if n.engine.kv_usage >= 0 else None,
+            "engine_running": engine.running if engine.running >= 0 else None,
+            "engine_waiting": engine.waiting if engine.waiting >= 0 else None,
+            "kv_usage": round(engine.kv_usage, 4) if engine.kv_usage >= 0 else None,
             # From the node's DCGM page (dcgm_url), when it has one.
             "gpus": [{"gpu": g.index, "temp_c": g.temp_c, "clock_ratio": g.clock_ratio,
                       "fb_used_mib": g.fb_used_mib, "slowdowns": g.slowdowns()}
                      for g in mon.gpus] if mon is not None else [],
             "gpu_cause": mon.gpu_cause() if mon is not None else None,
         }
-
-
-def pool_shed_total(pool: Any) -> int:
-    """Requests the pool's admission queue refused so far (0 without a queue)."""
-    counts = getattr(getattr(pool, "queue", None), "shed_total", None)
-    return sum(counts.values()) if isinstance(counts, dict) else 0
 
 
 def setup_dashboard(app: web.Application, fleet: LiveFleet) -> Dashboard:

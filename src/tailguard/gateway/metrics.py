@@ -74,7 +74,6 @@ reads every series from one place so the table and the code agree.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -84,10 +83,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
+from tailguard.core.snapshot import FleetSnapshot, NodeSnapshot
 
 if TYPE_CHECKING:
-    from tailguard.core.balancer import Balancer, Pool
-    from tailguard.core.fleet import Node
     from tailguard.gateway.live_fleet import LiveFleet
 
 UNKNOWN_POOL = "_unknown"
@@ -294,22 +292,23 @@ class FleetCollector:
                                       "times", labels=labels)
         fleet = self.fleet
         now = time.monotonic()
-        nodes = list(fleet.balancer.nodes.values())
+        snap = fleet.balancer.snapshot(now)
+        nodes = list(snap.nodes.values())
         for node in nodes:
-            lv = [node.id, node.spec.gpu_class]
+            lv = [node.id, node.gpu_class]
             in_flight.add_metric(lv, node.in_flight)
             stalls.add_metric(lv, node.stalls)
             stalled.add_metric(lv, node.stalled_s)
             slots.add_metric(lv, node.slots)
-            limit.add_metric(lv, node_limit(node))
-            slowness.add_metric(lv, node_slowness(node, fleet.balancer))
-            decode.add_metric(lv, node.capacity.decode_slowdown)
-            prefill.add_metric(lv, node.capacity.prefill_slowdown)
-            if node.ttft.count:
-                ttft.add_metric(lv, node.ttft.value)
-            if node.tpot.count:
-                tpot.add_metric(lv, node.tpot.value)
-            capacity.add_metric(lv, capacity_tokens_per_s(fleet, node))
+            limit.add_metric(lv, node.limit)
+            slowness.add_metric(lv, node.slowness)
+            decode.add_metric(lv, node.decode_slowdown)
+            prefill.add_metric(lv, node.prefill_slowdown)
+            if node.ttft_s is not None:
+                ttft.add_metric(lv, node.ttft_s)
+            if node.tpot_s is not None:
+                tpot.add_metric(lv, node.tpot_s)
+            capacity.add_metric(lv, node.capacity_tokens_per_s)
             for s in NodeState:
                 state.add_metric([*lv, s.value], 1.0 if node.state is s else 0.0)
             mon = fleet.monitors.get(node.id)
@@ -327,9 +326,9 @@ class FleetCollector:
                     kv.add_metric(lv, mon.sample.kv_usage)
         return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, up, running,
                 waiting, kv, age, stale, limit, slowness, stalls, stalled, *self._classes(nodes),
-                *self._pools(), *self._shared(nodes)]
+                *self._pools(snap), *self._shared(nodes)]
 
-    def _shared(self, nodes: list[Any]) -> list[Metric]:
+    def _shared(self, nodes: list[NodeSnapshot]) -> list[Metric]:
         """Shared state across replicas: the families always, samples only with shared_state."""
         shared = self.fleet.shared
         elsewhere = GaugeMetricFamily("tailguard_node_in_flight_elsewhere_requests",
@@ -348,7 +347,7 @@ class FleetCollector:
                                      "Syncs with the shared store that failed or timed out")
         if shared is not None:
             for node in nodes:
-                elsewhere.add_metric([node.id, node.spec.gpu_class], node.remote_in_flight)
+                elsewhere.add_metric([node.id, node.gpu_class], node.in_flight_elsewhere)
             up.add_metric([], 1.0 if shared.up else 0.0)
             leader.add_metric([], 1.0 if shared.leader else 0.0)
             replicas.add_metric([], float(shared.replicas))
@@ -356,7 +355,7 @@ class FleetCollector:
             errors.add_metric([], float(shared.errors))
         return [elsewhere, up, leader, replicas, sync, errors]
 
-    def _classes(self, nodes: list[Any]) -> list[Metric]:
+    def _classes(self, nodes: list[NodeSnapshot]) -> list[Metric]:
         decode = GaugeMetricFamily("tailguard_class_decode_slowdown_ratio",
                                    "GPU class's measured decode time over the roofline prior "
                                    "(geometric mean over its nodes; what routing uses)",
@@ -366,14 +365,14 @@ class FleetCollector:
                                     labels=["gpu"])
         seen: set[str] = set()
         for node in nodes:
-            gpu = node.spec.gpu_class
+            gpu = node.gpu_class
             if gpu not in seen:
                 seen.add(gpu)
                 decode.add_metric([gpu], node.class_decode_slowdown)
                 prefill.add_metric([gpu], node.class_prefill_slowdown)
         return [decode, prefill]
 
-    def _pools(self) -> list[Metric]:
+    def _pools(self, snap: FleetSnapshot) -> list[Metric]:
         def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=["pool", *(extra or [])])
 
@@ -386,58 +385,15 @@ class FleetCollector:
                       "Requests waiting in the pool's admission queue (0 without a queue)")
         capacity = gauge("tailguard_pool_capacity_tokens_per_second",
                          "Sum of the routable nodes' estimated throughput within the TPOT SLO")
-        fleet = self.fleet
-        for name, pool in list(fleet.balancer.pools.items()):
+        for name, pool in snap.pools.items():
             if not pool.nodes:
                 continue
             slo = pool.config.slo
             slo_ttft.add_metric([name], slo.ttft_s)
             slo_tpot.add_metric([name], slo.tpot_s)
             target.add_metric([name], slo.attainment)
-            counts = dict.fromkeys(NodeState, 0)
-            cap = 0.0
-            for node in pool.nodes:
-                counts[node.state] += 1
-                if node.state.routable:
-                    cap += capacity_tokens_per_s(fleet, node)
-            for st, n in counts.items():
+            for st, n in pool.states.items():
                 states.add_metric([name, st.value], n)
-            queue.add_metric([name], pool_queue_depth(pool))
-            capacity.add_metric([name], cap)
+            queue.add_metric([name], pool.queue_depth)
+            capacity.add_metric([name], pool.capacity_tokens_per_s)
         return [slo_ttft, slo_tpot, target, states, queue, capacity]
-
-
-def node_limit(node: Node) -> int:
-    """The node's concurrency limit: its limiter's when its pool has limits, else its slots."""
-    return node.limiter.limit if node.limiter is not None else node.slots
-
-
-def node_slowness(node: Node, balancer: Balancer | None = None) -> float:
-    """Slowness for the node's own hardware: the outlier detector's calibrated ratio when
-    detection runs (``balancer.outliers``), else the node's decode slowdown over its GPU
-    class's (1 = as fast as its peers)."""
-    det = balancer.outliers if balancer is not None else None
-    health = det.health.get(node.id) if det is not None else None
-    if health is not None and math.isfinite(health.slowness):
-        return float(health.slowness)
-    cls = node.class_decode_slowdown
-    return float(node.capacity.decode_slowdown / cls) if cls > 0 else 1.0
-
-
-def pool_queue_depth(pool: Pool) -> int:
-    """Requests waiting in the pool's admission queue, 0 when it has none."""
-    return pool.queue.length if pool.queue is not None else 0
-
-
-def capacity_tokens_per_s(fleet: LiveFleet, node: Node) -> float:
-    """Decode tokens/s the node delivers at the largest batch that keeps its pool's TPOT SLO."""
-    models = node.spec.models
-    pool = fleet.balancer.pools.get(models[0]) if models else None
-    if pool is None:
-        return 0.0
-    slow = node.capacity.decode_slowdown
-    ctx = pool.mean_prompt + pool.mean_output * 0.5
-    batch = node.perf.max_batch_for_tpot(pool.config.slo.tpot_s / slow, ctx, limit=node.slots)
-    if batch <= 0:
-        return 0.0
-    return float(node.perf.decode_tokens_per_s(batch, ctx) / slow)
