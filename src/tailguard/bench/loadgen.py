@@ -53,12 +53,6 @@ to the server it measures.
 The result (:func:`summarize`) has the shape of one entry of ``tailguard sim
 --json``, with 429s counted apart from failures (``rejected``) and a
 ``per_node`` breakdown.
-
-Size (about 450 lines, over the ~400 guide): :class:`LoadGenerator` is one
-client loop whose parts (open and closed loops, the request bodies with
-shared prefixes, streamed and whole answers, the per-request records) share
-the session, the clock and the records; the records and their summary are
-:mod:`tailguard.bench.summary`.
 """
 
 from __future__ import annotations

@@ -30,11 +30,6 @@ checked in ``tests/core/test_hardware.py``.
 Sources: GPU numbers are the vendors' dense BF16/FP16 datasheet values; the
 efficiencies follow published profiles (eta_m ~0.75 for decode GEMMs, eta_c
 ~0.7 for large prefill).
-
-Size (about 470 lines, over the ~400 guide): the catalogs and the
-roofline that reads them; each catalog field is used by the model below it,
-so they are kept side by side. A next split would move the catalog loader
-(``Catalog``, ``_build``) to its own module.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ from tailguard.core.queueing import Admission
 
 # Answers shorter than this teach no decode speed. Their time per token spans
 # one or a few engine steps, and under a burst of short requests most steps
-# also carry other requests' prefill chunks, so a 2-token stream read 2.8x the
-# decode roofline on healthy H100s and degraded them. The limiter still sees
-# them: their TPOT is what their clients got.
+# also carry other requests' prefill chunks, so a 2-token stream reads several
+# times the decode roofline on a healthy node. The limiter still sees them:
+# their TPOT is what their clients got.
 MIN_DECODE_TOKENS = 8
 
 # With no cached-token count from the engine, a TTFT this far below what the

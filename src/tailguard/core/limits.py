@@ -86,11 +86,6 @@ smoothed 30 * 0.8 + 18 * 0.2 = 27.6. Once p99 is back at 85 ms with 20 of
 27.6 in flight, gradient = 15 / 10 = 1.5, the slack step is
 min(sqrt(27.6), 27.6 * 0.5) = 5.25, scaled by pi / (1 - pi) = 0.495 to
 2.60, and the limit climbs to 27.6 + 0.2 * 2.60 = 28.12.
-
-Size (about 480 lines, over the ~400 guide): the three ``Limit``
-algorithms, the ``Limiter`` that holds their permits and the ``limits``
-block's parser are one contract; the planned starting limit already lives
-in ``core/limit_plan.py``.
 """
 
 from __future__ import annotations
@@ -387,10 +382,10 @@ class Limiter:
         return max(1, round(self.limit * share))
 
     def has_room(self) -> bool:
-        # Within this replica's share alone. A check of the others' last count
-        # on top (own + theirs < limit) was measured: it blocked permits the
-        # others had already released, and shed 10-20% more at overload for
-        # no better TPOT (benchmarks/replicas.py).
+        # Within this replica's share alone: the others' last count on top
+        # (own + theirs < limit) would block permits they have released since,
+        # and shed more at overload for no better TPOT (benchmarks/README.md,
+        # replicas).
         return self.inflight < self.allowed
 
     @property

@@ -38,12 +38,6 @@ nothing.
 
 A client that disconnects cancels its request in the engine at once
 (``handler_cancellation``), which frees its batch slot and KV cache.
-
-Size (about 540 lines, over the ~400 guide): :class:`EngineServer` is one
-engine's whole HTTP face (the OpenAI endpoints, streamed and not,
-``/metrics`` in vLLM's names, the fault admin, health), each handler reading
-the same engine driver and fault state; the DCGM page is
-:mod:`tailguard.emulator.dcgm`, the wire formats :mod:`tailguard.emulator.protocol`.
 """
 
 from __future__ import annotations

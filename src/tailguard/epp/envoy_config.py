@@ -143,7 +143,8 @@ def _ext_proc_filters(observer: bool, failure_mode_allow: bool,
     if observer:
         # The response in observability mode: Envoy sends it without waiting. After
         # the picker, so that its stream opens once the request is routed, off the
-        # routing's path (before it, the picker process took its headers first).
+        # routing's path: first in the chain, the picker process would take its
+        # headers before the picker's own.
         filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
             "failure_mode_allow": True, "deferred_close_timeout": "1s",

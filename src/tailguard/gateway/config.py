@@ -35,10 +35,6 @@ Decisions worth knowing:
 The parsed form is frozen dataclasses (:mod:`tailguard.gateway.settings`,
 re-exported here): a reload builds a new :class:`FleetConfig` and the gateway
 diffs it against the running one.
-
-Size (about 410 lines, at the ~400 guide): the parsers of every block of a
-fleet file, each naming the field in its error; the settings they build are
-in :mod:`tailguard.gateway.settings`.
 """
 
 from __future__ import annotations

@@ -24,11 +24,6 @@ chunk it counts ``data:`` events (:class:`~tailguard.gateway.sse.SseCounter`),
 notes the gap since the previous one and pushes the idle deadline; it never
 parses a chunk's JSON. A client that goes away (the handler is cancelled)
 becomes ``client_gone``, which releases every copy's permit.
-
-Size (about 460 lines, over the ~400 guide): :class:`Forwarder` is the
-proxy's one per-request hot path (send a copy, read the head, relay the
-stream, end each copy), kept in one class so that a chunk's path has no
-indirection; the exchange decides, this only carries out.
 """
 
 from __future__ import annotations

@@ -25,10 +25,6 @@ Errors are :class:`UpstreamError` subclasses (or :class:`OSError` from the
 socket); timeouts other than the connect timeout are the caller's
 (``asyncio.timeout``), and cancelling a request closes its connection.
 The health checks, metric scrapes and webhooks stay on aiohttp's client.
-
-Size (about 490 lines, over the ~400 guide): a small HTTP/1.1 client, whose
-response, connection protocol and pool share the parser's state and the
-keep-alive rules; apart, each would expose the others' internals.
 """
 
 from __future__ import annotations

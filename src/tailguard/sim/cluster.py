@@ -18,11 +18,6 @@ copy is an engine request of its own id (its index in ``copies``), a cancel
 removes it from its engine, a timer is an event. Retries, the retry budget,
 the hedge and its race are therefore exactly the gateway's. The engines, the
 network and the faults are :mod:`tailguard.sim.nodes`.
-
-Size (about 510 lines, over the ~400 guide): :class:`ClusterSim` is the
-exchange's simulator driver, one method per exchange action and per event
-kind, all on the one event heap and the copy tables; the loop keeps the
-frequent events (engine steps, arrivals, first tokens, finishes) inline.
 """
 
 from __future__ import annotations
