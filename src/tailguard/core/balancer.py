@@ -64,6 +64,7 @@ from tailguard.core.predict import (
     prefill_extra_s,
     running_batch,
 )
+from tailguard.core.probes import HealthProbes, ProbeRule
 from tailguard.core.queueing import Admission, Decision
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
 from tailguard.core.shared import Peers, merged_speed
@@ -87,6 +88,7 @@ class Balancer:
         perf_params: PerfParams = DEFAULT_PERF,
         recorder: Callable[[dict[str, Any]], None] | None = None,
         outliers: OutlierConfig | None = None,
+        probes: ProbeRule | None = None,
     ) -> None:
         self.rng = rng
         # Straggler/failure detection and the quarantine lifecycle (on by default).
@@ -101,9 +103,10 @@ class Balancer:
         self.admission = Admission(self.pools, self._pick)
         self.learner = Learner(self.outliers, self.admission)
         self.peers = Peers(self.nodes, self.pools, self.outliers)
+        self.probes = HealthProbes(probes or ProbeRule())
         self._priors: dict[tuple[object, ...], PerfModel] = {}
         if recorder is not None:
-            recorder(record_init(rng, perf_params, cfg))
+            recorder(record_init(rng, perf_params, cfg, self.probes.rule))
         for pc in pools:
             self.add_pool(pc)
         for spec in nodes:
@@ -195,6 +198,7 @@ class Balancer:
         if self.recorder is not None:
             self.recorder({"op": "remove_node", "node": node_id})
         node = self.nodes.pop(node_id)
+        self.probes.forget(node_id)
         if self.outliers is not None:
             self.outliers.forget(node_id)
         for pool in self.pools.values():
@@ -216,6 +220,22 @@ class Balancer:
                 rec["by"] = actor.value
             self.recorder(rec)
         node.move(state, actor)
+
+    def on_probe(self, node_id: str, ok: bool, now: float) -> bool | None:
+        """A health probe's result (``core/probes.py``): a node that fails enough in a row
+        goes down, a down one that passes enough is back. Returns the probes' verdict
+        when it changes (False: out of rotation, True: back), else None."""
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "probe", "node": node_id, "ok": ok})
+        node = self.nodes.get(node_id)
+        if node is None:
+            return None
+        verdict = self.probes.observe(node_id, ok)
+        if verdict is False and node.state.routable:
+            node.move(NodeState.DOWN, Actor.HEALTH)
+        elif verdict is True and node.state is NodeState.DOWN:
+            node.move(NodeState.HEALTHY, Actor.HEALTH)
+        return verdict
 
     def _state_changed(self, node: Lifecycle, was: NodeState) -> None:
         """Every move of a node, whoever made it: its pools re-list their routable nodes."""
@@ -520,7 +540,8 @@ class Balancer:
 
     def snapshot(self, now: float) -> FleetSnapshot:
         """A frozen read model of the fleet for observers (``core/snapshot.py``)."""
-        return snapshot(self.nodes, self.pools, self.outliers, self.double_release, now)
+        return snapshot(self.nodes, self.pools, self.outliers, self.probes, self.double_release,
+                        now)
 
     def report(self, now: float, leader: bool) -> dict[str, Any]:
         """What this replica tells the others (``core/shared.py``); changes nothing."""

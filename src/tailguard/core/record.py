@@ -76,11 +76,13 @@ def from_jsonable(cls: Any, data: Any) -> Any:
     return data
 
 
-def record_init(rng: Random, perf_params: PerfParams, outliers: Any = None) -> dict[str, Any]:
+def record_init(rng: Random, perf_params: PerfParams, outliers: Any = None,
+                probes: Any = None) -> dict[str, Any]:
     version, state, gauss = rng.getstate()
     return {"op": "init", "version": RECORD_VERSION,
             "rng_state": [version, list(state), gauss],
-            "perf_params": to_jsonable(perf_params), "outliers": to_jsonable(outliers)}
+            "perf_params": to_jsonable(perf_params), "outliers": to_jsonable(outliers),
+            "probes": to_jsonable(probes)}
 
 
 def rng_from_init(rec: dict[str, Any]) -> Random:

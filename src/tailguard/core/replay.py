@@ -20,6 +20,7 @@ from tailguard.core.balancer import Balancer, PoolConfig, Ticket, decision_dict
 from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.probes import ProbeRule
 from tailguard.core.record import event_to_dict, from_jsonable, rng_from_init
 
 
@@ -64,7 +65,8 @@ class _Replayer:
         self.ops: dict[str, Callable[[int, Record], None]] = {
             "add_pool": self._add_pool, "replace_pool": self._replace_pool,
             "add_node": self._add_node, "remove_node": self._remove_node,
-            "set_state": self._set_state, "pick": self._pick, "rank": self._rank,
+            "set_state": self._set_state, "probe": self._probe, "pick": self._pick,
+            "rank": self._rank,
             "take": self._take, "admit": self._admit, "poll_queue": self._poll_queue,
             "cancel_queued": self._cancel_queued, "first_token": self._first_token,
             "progress": self._progress, "no_first_token": self._no_first_token,
@@ -111,10 +113,13 @@ class _Replayer:
 
     def _init(self, rec: Record) -> None:
         outliers = rec.get("outliers")
+        probes = rec.get("probes")
         self._balancer = Balancer([], [], rng_from_init(rec), self.catalog,
                                   from_jsonable(PerfParams, rec["perf_params"]),
                                   outliers=from_jsonable(OutlierConfig, outliers)
-                                  if outliers is not None else None)
+                                  if outliers is not None else None,
+                                  probes=from_jsonable(ProbeRule, probes)
+                                  if probes is not None else None)
         self.tickets.clear()
         self.waiters.clear()
 
@@ -133,6 +138,9 @@ class _Replayer:
 
     def _set_state(self, i: int, rec: Record) -> None:
         self.b.set_state(rec["node"], NodeState(rec["state"]), Actor(rec.get("by", "operator")))
+
+    def _probe(self, i: int, rec: Record) -> None:
+        self.b.on_probe(rec["node"], rec["ok"], rec["t"])
 
     # -- routing decisions ----------------------------------------------------------
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from tailguard.core.fleet import EngineReport, Node, NodeSpec, NodeState
 from tailguard.core.outliers import OutlierDetector
 from tailguard.core.pool import Pool, PoolConfig
+from tailguard.core.probes import HealthProbes
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class NodeSnapshot:
     outliers: OutlierSnapshot | None
     slowness: float  # for its own hardware (1 = like its class)
     capacity_tokens_per_s: float  # within its pool's TPOT SLO
+    probes_failed: int  # health probes failed in a row (core/probes.py)
 
     @property
     def gpu_class(self) -> str:
@@ -100,10 +102,10 @@ class FleetSnapshot:
 
 
 def snapshot(nodes: Mapping[str, Node], pools: Mapping[str, Pool],
-             outliers: OutlierDetector | None, double_release: int,
+             outliers: OutlierDetector | None, probes: HealthProbes, double_release: int,
              now: float) -> FleetSnapshot:
     """The read model as of ``now`` (see the module docstring)."""
-    node_snaps = {nid: _node(n, pools, outliers, now) for nid, n in nodes.items()}
+    node_snaps = {nid: _node(n, pools, outliers, probes, now) for nid, n in nodes.items()}
     pool_snaps: dict[str, PoolSnapshot] = {}
     for name, pool in pools.items():
         states = dict.fromkeys(NodeState, 0)
@@ -121,13 +123,14 @@ def snapshot(nodes: Mapping[str, Node], pools: Mapping[str, Pool],
 
 
 def _node(n: Node, pools: Mapping[str, Pool], outliers: OutlierDetector | None,
-          now: float) -> NodeSnapshot:
+          probes: HealthProbes, now: float) -> NodeSnapshot:
     lim = n.limiter
     limiter = None if lim is None else LimitSnapshot(
         lim.limit, lim.inflight, lim.allowed, lim.successes, lim.dropped, lim.ignored)
     h = outliers.health.get(n.id) if outliers is not None else None
     seen = None if h is None else OutlierSnapshot(h.slowness, h.ejections,
                                                   h.consecutive_failures, h.reason)
+    probed = probes.count(n.id)
     cls = n.class_decode_slowdown
     if h is not None and math.isfinite(h.slowness):
         slowness = float(h.slowness)
@@ -139,7 +142,7 @@ def _node(n: Node, pools: Mapping[str, Pool], outliers: OutlierDetector | None,
         n.capacity.decode_slowdown, n.capacity.prefill_slowdown, n.class_decode_slowdown,
         n.class_prefill_slowdown, n.ttft.value if n.ttft.count else None,
         n.tpot.value if n.tpot.count else None, n.latency.decayed(now), n.engine, limiter,
-        seen, slowness, _capacity(n, pools))
+        seen, slowness, _capacity(n, pools), probed.failed if probed is not None else 0)
 
 
 def _capacity(n: Node, pools: Mapping[str, Pool]) -> float:

@@ -185,7 +185,7 @@ class AdminApi:
                 "missing": mon.metrics_missing,
                 "scrape_errors": mon.scrape_errors,
             }
-            health = {"up": mon.up, "checks_failed": mon.checks_failed,
+            health = {"up": mon.up, "checks_failed": node.probes_failed,
                       "last_error": mon.last_error}
             if mon.node.dcgm_url:
                 gpus = {"gpus": [g.as_dict() for g in mon.gpus],

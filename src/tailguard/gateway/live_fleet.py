@@ -36,8 +36,9 @@ import aiohttp
 
 from tailguard.core.balancer import Balancer, Event
 from tailguard.core.events import remedy
-from tailguard.core.fleet import Actor, NodeState
+from tailguard.core.fleet import NodeState
 from tailguard.core.hedging import Hedger, Hedgers
+from tailguard.core.probes import ProbeRule
 from tailguard.core.retry_budget import RetryBudget
 from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
 from tailguard.gateway.engine_metrics import EngineSample
@@ -74,7 +75,9 @@ class LiveFleet:
         self.balancer = Balancer([n.spec() for n in config.nodes],
                                  [p.pool_config() for p in config.pools.values()],
                                  rng or Random(), catalog=config.catalog, recorder=recorder,
-                                 outliers=config.outliers)
+                                 outliers=config.outliers,
+                                 probes=ProbeRule(config.health.failures,
+                                                  config.health.successes))
         self.nodes: dict[str, NodeConfig] = {n.id: n for n in config.nodes}
         self.dynamic: set[str] = set()  # registered through the admin API
         self.monitors: dict[str, NodeMonitor] = {}
@@ -341,11 +344,5 @@ class LiveFleet:
             self.balancer.on_engine_metrics(node_id, now, sample.running, sample.waiting,
                                             sample.kv_usage)
 
-    def _on_health(self, node_id: str, up: bool) -> None:
-        node = self.balancer.nodes.get(node_id)
-        if node is None:
-            return
-        if not up and node.state.routable:
-            self.balancer.set_state(node_id, NodeState.DOWN, Actor.HEALTH)
-        elif up and node.state is NodeState.DOWN:
-            self.balancer.set_state(node_id, NodeState.HEALTHY, Actor.HEALTH)
+    def _on_health(self, node_id: str, ok: bool) -> bool | None:
+        return self.balancer.on_probe(node_id, ok, time.monotonic())

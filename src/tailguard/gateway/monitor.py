@@ -42,7 +42,9 @@ DCGM_INTERVAL_S = 2.0  # dcgm-exporter itself refreshes every 30 s by default; c
 DCGM_FRESH_S = 60.0  # older readings name no cause (two of the exporter's own refreshes)
 
 SampleCallback = Callable[[str, float, EngineSample | None], None]
-HealthCallback = Callable[[str, bool], None]
+# A probe's result to the core's rule (Balancer.on_probe); returns its verdict
+# when it changes (False: out of rotation, True: back), else None.
+HealthCallback = Callable[[str, bool], "bool | None"]
 
 
 class NodeMonitor:
@@ -75,8 +77,6 @@ class NodeMonitor:
         self.gpus_at = -1.0
         self.dcgm_error: str | None = None
         self.gpu_warning: str | None = None  # a mismatch with the fleet file ("" when none)
-        self.checks_failed = 0  # consecutive
-        self.checks_passed = 0  # consecutive
         self.last_error: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         key = node.upstream_api_key()
@@ -231,21 +231,14 @@ class NodeMonitor:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok = False
             self.last_error = f"health: {type(exc).__name__}: {exc}"
-        if ok:
-            self.checks_passed += 1
-            self.checks_failed = 0
-            if not self.up and self.checks_passed >= self.health.successes:
-                self.up = True
-                log.warning("node %s: health check passes again; back in rotation", self.node.id)
-                self.on_health(self.node.id, True)
-        else:
-            self.checks_failed += 1
-            self.checks_passed = 0
-            if self.up and self.checks_failed >= self.health.failures:
-                self.up = False
-                log.warning("node %s: %d health checks failed (%s); out of rotation",
-                            self.node.id, self.checks_failed, self.last_error)
-                self.on_health(self.node.id, False)
+        verdict = self.on_health(self.node.id, ok)
+        if verdict is True:
+            self.up = True
+            log.warning("node %s: health check passes again; back in rotation", self.node.id)
+        elif verdict is False:
+            self.up = False
+            log.warning("node %s: %d health checks failed (%s); out of rotation",
+                        self.node.id, self.health.failures, self.last_error)
         return ok
 
     async def _health_loop(self) -> None:

@@ -281,7 +281,7 @@ class ClusterSim:
             elif kind == FAULT:
                 self._fault(a, b == 1, now)
             elif kind == HEALTH:
-                health_check(nodes, self.balancer)
+                health_check(nodes, self.balancer, now)
                 if self.outstanding > 0:
                     self.push(now + HEALTH_INTERVAL_S, HEALTH)
             else:  # TICK

@@ -26,22 +26,19 @@ import math
 from collections.abc import Callable
 
 from tailguard.core.balancer import Balancer
-from tailguard.core.fleet import Actor, NodeState
 from tailguard.core.hardware import PerfModel
 from tailguard.engine import FAILED, Engine
 from tailguard.sim.scenario import Fault, NodePlan
 
-# The gateway's active health checks (gateway.config.HealthSettings defaults):
-# a probe every HEALTH_INTERVAL_S; HEALTH_FAILURES failed in a row take a node
-# out of rotation (DOWN), one that passes puts it back.
+# The gateway's active health checks: a probe every HEALTH_INTERVAL_S, judged by
+# the core's probe rule (core/probes.py, the gateway's defaults).
 HEALTH_INTERVAL_S = 2.0
-HEALTH_FAILURES = 2
 
 
 class SimNode:
     """One simulated node: its engine, its link and its fault state."""
 
-    __slots__ = ("base_speed", "checks_failed", "crashed", "delay", "engine", "error_rate",
+    __slots__ = ("base_speed", "crashed", "delay", "engine", "error_rate",
                  "index", "plan", "ranks", "scheduled", "throttle", "version")
 
     def __init__(self, index: int, plan: NodePlan, step_by_step: bool) -> None:
@@ -54,7 +51,6 @@ class SimNode:
         self.crashed = False
         self.error_rate = 0.0
         self.delay = 0.0  # extra one-way network delay (slow_network fault)
-        self.checks_failed = 0  # health probes failed in a row
         self.throttle = 1.0  # the whole replica's throttle factor
         self.ranks: dict[int, float] = {}  # GPU index -> its throttle factor
 
@@ -83,20 +79,11 @@ class SimNode:
                                 "healthy (simulated DCGM): the engine, host or network then")
 
 
-def health_check(nodes: list[SimNode], balancer: Balancer) -> None:
+def health_check(nodes: list[SimNode], balancer: Balancer, now: float) -> None:
     """One round of the gateway's health probes: only a crashed node fails its probe
     (a hung or slow engine still answers ``/health`` in the engine model)."""
     for ns in nodes:
-        node_id = ns.plan.id
-        node = balancer.nodes[node_id]
-        if ns.crashed:
-            ns.checks_failed += 1
-            if ns.checks_failed == HEALTH_FAILURES and node.state.routable:
-                balancer.set_state(node_id, NodeState.DOWN, Actor.HEALTH)
-        else:
-            ns.checks_failed = 0
-            if node.state is NodeState.DOWN:
-                balancer.set_state(node_id, NodeState.HEALTHY, Actor.HEALTH)
+        balancer.on_probe(ns.plan.id, not ns.crashed, now)
 
 
 # (engine request id, time) of a request that failed in the crash, and
