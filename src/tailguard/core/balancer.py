@@ -139,6 +139,8 @@ class Balancer:
             pool.mean_output = old.mean_output
             if old.prefix is not None and old.prefix.block_tokens == config.prefix_block_tokens:
                 pool.prefix = old.prefix  # the engines' caches did not change
+            if old.config.hedging == config.hedging:
+                pool.hedger = old.hedger  # its learnt TTFT quantiles still hold
             pool.invalidate()
             self.admission.carry(old, pool)
         return pool

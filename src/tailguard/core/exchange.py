@@ -134,10 +134,21 @@ class Exchange:
     _pending_5xx: list[str] | None = None  # nodes whose 5xx waits for a second opinion
     _timer_at = 0.0
 
-    def __init__(self, balancer: Balancer, request: Request, retries: RetryConfig,
-                 budget: RetryBudget, hedger: Hedger | None = None, tag: Any = None) -> None:
+    def __init__(self, balancer: Balancer, request: Request, retries: RetryConfig | None = None,
+                 budget: RetryBudget | None = None, hedger: Hedger | None = None,
+                 tag: Any = None, *, hedge: bool = True) -> None:
+        """The retry rule, budget and hedger are the request's pool's unless given
+        (a request for a model no pool serves gets the defaults, and no hedge).
+        ``hedge`` False: the driver cannot send a duplicate (the endpoint picker)."""
         self.balancer = balancer
         self.request = request
+        pool = balancer.pools.get(request.model)
+        if retries is None:
+            retries = pool.config.retries if pool is not None else RetryConfig()
+        if budget is None:
+            budget = pool.budget if pool is not None else retries.new_budget()
+        if hedger is None and pool is not None and hedge:
+            hedger = pool.hedger
         self.retries = retries
         self.budget = budget
         self.hedger = hedger if request.stream else None

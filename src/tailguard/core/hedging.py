@@ -224,18 +224,3 @@ class Hedger:
         self.credit += 1.0
         self.hedges -= 1
 
-
-class Hedgers:
-    """One :class:`Hedger` per pool, made anew when the pool's settings change."""
-
-    def __init__(self) -> None:
-        self._by_pool: dict[str, Hedger] = {}
-
-    def get(self, pool: str, config: HedgeConfig) -> Hedger | None:
-        """The pool's hedger, or None when its hedging is off."""
-        if not config.enabled:
-            return None
-        h = self._by_pool.get(pool)
-        if h is None or h.config != config:
-            h = self._by_pool[pool] = Hedger(config)
-        return h

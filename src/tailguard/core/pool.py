@@ -10,10 +10,12 @@ from typing import Any
 
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.fleet import Node
+from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.limits import LimitConfig, Permit
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo
 from tailguard.core.predict import decode_step_s, prefill_s, running_batch
 from tailguard.core.prefix import PrefixIndex
+from tailguard.core.retry_budget import RetryBudget, RetryConfig
 
 # Tokens per hashed prompt block when the driver hashes prompts (the gateway);
 # a simulated workload brings its own (Mooncake's traces: 512).
@@ -32,6 +34,8 @@ class PoolConfig:
     limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)
     admission: AdmissionConfig | None = None  # the pool's queue (core/admission.py)
     prefix_block_tokens: int = PREFIX_BLOCK_TOKENS  # what one hash of a request's prefix covers
+    retries: RetryConfig = field(default_factory=RetryConfig)  # failover before the first byte
+    hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
 
 
 class Ticket:
@@ -125,8 +129,8 @@ class Ticket:
 class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
-    __slots__ = ("_eligible", "config", "dispatch_hook", "limited", "mean_output", "mean_prompt",
-                 "name", "nodes", "policy", "prefix", "queue")
+    __slots__ = ("_eligible", "budget", "config", "dispatch_hook", "hedger", "limited",
+                 "mean_output", "mean_prompt", "name", "nodes", "policy", "prefix", "queue")
 
     def __init__(self, config: PoolConfig, policy: Policy) -> None:
         self.config = config
@@ -142,6 +146,9 @@ class Pool:
         self.limited = config.limits is not None or config.admission is not None
         self.queue = AdmissionQueue(config.admission) if config.admission is not None else None
         self.prefix: PrefixIndex | None = None  # made by the first request with a prefix
+        # The pool's retry budget and hedger, which every request of it draws on.
+        self.budget: RetryBudget = config.retries.new_budget()
+        self.hedger: Hedger | None = Hedger(config.hedging) if config.hedging.enabled else None
         # A policy that keeps its own record of where requests went (cache_aware).
         self.dispatch_hook: Callable[[str, RequestInfo], None] | None = getattr(
             policy, "on_dispatch", None)

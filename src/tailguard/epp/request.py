@@ -169,7 +169,7 @@ class PickedRequest(ResponseSide):
             Request(req.model, req.prompt_tokens, req.max_tokens, self._priority(), req.stream,
                     ttft_budget(h.get(TTFT_HEADER)), len(body), exclude, req.prefix,
                     session_key(h.get(SESSION_HEADER), req)),
-            settings.retries, fleet.budget(req.model), None)
+            settings.retries, hedge=False)  # the data plane sends no duplicate
         return self._carry_out(self.ex.arrive(time.monotonic()))
 
     def _carry_out(self, actions: tuple[Action, ...]) -> list[pb.ProcessingResponse] | None:

@@ -194,10 +194,10 @@ def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATAL
                       limits=parse_core(LimitsBlock, m.get("limits"), f"{where}.limits",
                                         optional=True),
                       admission=parse_core(AdmissionBlock, m.get("admission"),
-                                           f"{where}.admission", optional=True))
-    return PoolSettings(core, parse_timeouts(m.get("timeouts"), f"{where}.timeouts"),
-                        parse_core(RetriesBlock, m.get("retries"), f"{where}.retries"),
-                        parse_core(HedgingBlock, m.get("hedging"), f"{where}.hedging"))
+                                           f"{where}.admission", optional=True),
+                      retries=parse_core(RetriesBlock, m.get("retries"), f"{where}.retries"),
+                      hedging=parse_core(HedgingBlock, m.get("hedging"), f"{where}.hedging"))
+    return PoolSettings(core, parse_timeouts(m.get("timeouts"), f"{where}.timeouts"))
 
 
 def parse_node(raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG,

@@ -127,8 +127,7 @@ class Forwarder:
             Request(model, req.prompt_tokens, req.max_tokens, call.priority, req.stream,
                     ttft_header(call.request), len(call.body), prefix=req.prefix,
                     session=session_key(call.request.headers.get(SESSION_HEADER), req)),
-            call.settings.retries, fleet.budget(model), fleet.hedger(model) if req.stream
-            else None)
+            call.settings.retries)
         try:
             return await self._drive(ex, call, ex.arrive(time.monotonic()))
         except BaseException:

@@ -37,7 +37,7 @@ import aiohttp
 from tailguard.core.balancer import Balancer, Event
 from tailguard.core.events import remedy
 from tailguard.core.fleet import NodeState
-from tailguard.core.hedging import Hedger, Hedgers
+from tailguard.core.hedging import Hedger
 from tailguard.core.probes import ProbeRule
 from tailguard.core.retry_budget import RetryBudget
 from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
@@ -84,8 +84,6 @@ class LiveFleet:
         self.event_listeners: list[Callable[[Event], None]] = []
         self.event_log = EventLog()  # GET /admin/events: core events and remediation results
         self.event_listeners.append(self.event_log.on_core_event)
-        self._budgets: dict[str, RetryBudget] = {}
-        self._hedgers = Hedgers()
         self._retiring: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -152,38 +150,35 @@ class LiveFleet:
     def pool_settings(self, model: str) -> PoolSettings:
         return self.config.pool(model)
 
-    def budget(self, model: str) -> RetryBudget:
-        b = self._budgets.get(model)
-        if b is None:
-            b = self._budgets[model] = self.config.pool(model).retries.new_budget()
-        return b
+    def budget(self, model: str) -> RetryBudget | None:
+        """The pool's retry budget (None: no pool serves ``model``)."""
+        pool = self.balancer.pools.get(model)
+        return pool.budget if pool is not None else None
 
     def hedger(self, model: str) -> Hedger | None:
         """The pool's hedger; None when hedging is off for it."""
-        return self._hedgers.get(model, self.config.pool(model).hedging)
+        pool = self.balancer.pools.get(model)
+        return pool.hedger if pool is not None else None
 
     def budget_balances(self) -> dict[str, list[float | None]]:
         """Each pool's retry balance and hedge credit, for the other replicas."""
-        out: dict[str, list[float | None]] = {}
-        for model, b in self._budgets.items():
-            h = self.hedger(model)
-            out[model] = [round(b.balance, 3), round(h.credit, 3) if h is not None else None]
-        return out
+        return {name: [round(p.budget.balance, 3),
+                       round(p.hedger.credit, 3) if p.hedger is not None else None]
+                for name, p in self.balancer.pools.items()}
 
     def lend_budgets(self, peers: list[dict[str, Any]]) -> None:
         """What each pool may borrow of the others' budgets: ``1/k`` of their balance."""
         k = len(peers) + 1
-        for model, b in self._budgets.items():
-            h = self.hedger(model)
+        for model, pool in self.balancer.pools.items():
             retry = hedge = 0.0
             for p in peers:
                 got = p.get(model)
                 if isinstance(got, list) and len(got) == 2:
                     retry += float(got[0] or 0.0)
                     hedge += float(got[1] or 0.0)
-            b.lent = retry / k
-            if h is not None:
-                h.lent = hedge / k
+            pool.budget.lent = retry / k
+            if pool.hedger is not None:
+                pool.hedger.lent = hedge / k
 
     def served_models(self) -> list[str]:
         """Model names some node in the fleet serves, in first-seen order."""
@@ -300,7 +295,6 @@ class LiveFleet:
         for name in dict.fromkeys([*old.pools, *new.pools]):
             if old.pool(name) != new.pool(name):
                 self._replace_pool(new.pool(name))
-                self._budgets.pop(name, None)
                 summary.pools.append(name)
         self.config = new
         self._endpoints = None

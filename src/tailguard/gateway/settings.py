@@ -68,13 +68,19 @@ class Timeouts:
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
-    """One served model name: the decision core's pool (policy, SLO, limits, queue)
-    and what the gateway adds to it (timeouts, retries, hedging)."""
+    """One served model name: the decision core's pool (policy, SLO, limits, queue,
+    retries, hedging) and what the gateway adds to it (timeouts)."""
 
     core: PoolConfig
     timeouts: Timeouts = field(default_factory=Timeouts)
-    retries: RetryConfig = field(default_factory=RetryConfig)
-    hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
+
+    @property
+    def retries(self) -> RetryConfig:
+        return self.core.retries
+
+    @property
+    def hedging(self) -> HedgeConfig:
+        return self.core.hedging
 
     def pool_config(self) -> PoolConfig:
         """The decision core's view of this pool."""

@@ -49,7 +49,7 @@ from tailguard.core.exchange import (
     pump,
 )
 from tailguard.core.fleet import NodeSpec, Outcome
-from tailguard.core.hedging import HedgeConfig, Hedger
+from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import PipelinePerf
@@ -153,7 +153,8 @@ def run_cluster(
     answer), for the engines' prefix caches and the router's prefix index;
     ``sessions``: each request's session (its key for session affinity)."""
     pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
-                      admission=admission)
+                      admission=admission, retries=retries or RetryConfig(),
+                      hedging=hedging or HedgeConfig())
     if blocks is not None:
         pool = dataclasses.replace(pool, prefix_block_tokens=block_tokens)
     balancer = Balancer(node_specs(plans, model), [pool],
@@ -162,10 +163,9 @@ def run_cluster(
                         outliers=outliers or OutlierConfig(enabled=False))
     sim = ClusterSim(balancer, plans, model, arrivals, prompts, outputs, seed=seed,
                      network_rtt_s=network_rtt_s, faults=faults, step_by_step=step_by_step,
-                     hedger=Hedger(hedging) if hedging is not None and hedging.enabled else None,
                      limited=limits is not None or admission is not None,
-                     priorities=priorities, retries=retries or RetryConfig(),
-                     exchange_type=exchange_type, gpu_telemetry=gpu_telemetry,
+                     priorities=priorities, exchange_type=exchange_type,
+                     gpu_telemetry=gpu_telemetry,
                      blocks=blocks, block_tokens=block_tokens, sessions=sessions)
     return sim.run(horizon_s, tick_s, progress)
 
@@ -176,8 +176,8 @@ class ClusterSim:
     def __init__(self, balancer: Balancer, plans: Sequence[NodePlan], model: str,
                  arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int], *,
                  seed: int, network_rtt_s: float, faults: Sequence[Fault], step_by_step: bool,
-                 hedger: Hedger | None, limited: bool, priorities: Sequence[int] | None,
-                 retries: RetryConfig, exchange_type: type[Exchange],
+                 limited: bool, priorities: Sequence[int] | None,
+                 exchange_type: type[Exchange],
                  gpu_telemetry: bool = False, blocks: Sequence[tuple[int, ...]] | None = None,
                  block_tokens: int = 0, sessions: Sequence[int] | None = None) -> None:
         n = len(arrivals)
@@ -188,10 +188,8 @@ class ClusterSim:
         self.balancer = balancer
         self.model = model
         self.faults = faults
-        self.hedger = hedger
+        self.hedger = balancer.pools[model].hedger  # the pool's, which its exchanges draw on
         self.limited = limited
-        self.retries = retries
-        self.budget = retries.new_budget()
         self.exchange_type = exchange_type
         self.fault_rng = random.Random(f"{seed}:faults")
         self.nodes = [SimNode(i, p, step_by_step) for i, p in enumerate(plans)]
@@ -371,7 +369,7 @@ class ClusterSim:
         ex = self.exchange_type(self.balancer,
                                 Request(self.model, rec.prompt[rid], None, self.prio[rid],
                                         prefix=prefix, session=session),
-                                self.retries, self.budget, self.hedger, rid)
+                                tag=rid)
         self.exchanges[rid] = ex
         self._do(ex, ex.arrive(now), now)
         if ex.ended is not None:  # refused or failed at once
