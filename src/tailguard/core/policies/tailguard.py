@@ -128,7 +128,7 @@ class TailguardPolicy:
 
         The loop over the candidates is every routing decision's hot path, so
         each node's estimate stays inline, and what its hardware alone decides
-        comes from :class:`_Quotes` (computed once per GPU type, not per node).
+        comes from :class:`_Quote` (computed once per GPU type, not per node).
         """
         if not nodes:
             return None
@@ -141,7 +141,10 @@ class TailguardPolicy:
             out = float(req.max_tokens)
         out = max(out, 1.0)
         ctx = req.mean_prompt + out * 0.5
-        quotes = _Quotes(prompt, ctx, req.mean_prompt + out)
+        footprint = req.mean_prompt + out
+        # id(perf) -> this request's quote for that engine shape (nodes of one GPU type
+        # share their prior: Balancer._prior)
+        shapes: dict[int, _Quote] = {}
         ttft_weight = self.ttft_weight
         if ttft_weight is None:
             ttft_weight = out * self.slo.tpot_s / self.slo.ttft_s
@@ -154,11 +157,11 @@ class TailguardPolicy:
         top = min(max(cached.values()), prompt - 1) if cached else 0
         best_id: str | None = None
         best = float("inf")
-        shapes = quotes.by_perf
         for n in cands:
-            q = shapes.get(id(n.perf))
+            perf = n.perf
+            q = shapes.get(id(perf))
             if q is None or q.slots != n.slots:
-                q = quotes.of(n.perf, n.slots)
+                q = shapes[id(perf)] = _Quote(perf, n.slots, prompt, ctx, footprint)
             if n.remote_ratio == 0.0:  # one gateway: the fleet's counts are its own
                 batch, backlog = n.in_flight + 1, n.prefill_backlog
             else:
@@ -168,12 +171,12 @@ class TailguardPolicy:
             dslow = n.class_decode_slowdown
             step = q.steps.get(running)
             if step is None:
-                step = q.step(running)
+                step = q.steps[running] = decode_step_s(perf, running, ctx)
             tpot = step * dslow
             if cached:
                 # A prefix the node holds is prefill it need not do.
                 work = prompt - min(cached.get(n.id, 0), prompt - 1)
-                own = q.prefill if work == prompt else prefill_s(n.perf, 0, work)
+                own = q.prefill if work == prompt else prefill_s(perf, 0, work)
             else:
                 work, own = prompt, q.prefill
             # The cost below with no wait, no prompt duty and no SLO miss, none of
@@ -188,7 +191,7 @@ class TailguardPolicy:
                 # The cap (a step that always carries a chunk) is only looked up
                 # where it can bind: a prompt riding in a step's spare compute
                 # adds little work, so a low duty never stretches past it.
-                tpot = interleaved_tpot(tpot, duty, q.saturated(running) * dslow
+                tpot = interleaved_tpot(tpot, duty, saturated_step_s(perf, running, ctx) * dslow
                                         if duty > _CAP_DUTY else math.inf)
                 # How unlucky this answer may be: the prompt work landing in its
                 # decode (out * tpot seconds) is a Poisson sum of prompts, whose
@@ -232,47 +235,15 @@ class TailguardPolicy:
 
 class _Quote:
     """What one engine shape (a PerfModel with a slot count) predicts for one request,
-    whatever its load: the running-batch cap, the prompt's own prefill, the
-    per-token cost of a backlog, and decode steps by running batch as asked."""
+    whatever its load: the running-batch cap, the prompt's own prefill, the per-token
+    cost of a backlog, and decode steps by running batch as they are asked for."""
 
-    __slots__ = ("cap", "ctx", "perf", "prefill", "slots", "steps", "token_s")
+    __slots__ = ("cap", "prefill", "slots", "steps", "token_s")
 
     def __init__(self, perf: PerfModel, slots: int, prompt: int, ctx: float,
                  footprint: float) -> None:
-        self.perf = perf
         self.slots = slots
-        self.ctx = ctx
         self.cap = running_batch(perf, slots, slots, footprint)
         self.token_s = prefill_token_s(perf)
         self.prefill = prefill_s(perf, 0, prompt)
         self.steps: dict[int, float] = {}
-
-    def step(self, running: int) -> float:
-        s = self.steps[running] = decode_step_s(self.perf, running, self.ctx)
-        return s
-
-    def saturated(self, running: int) -> float:
-        return saturated_step_s(self.perf, running, self.ctx)
-
-
-class _Quotes:
-    """The request's :class:`_Quote` per engine shape: nodes of one GPU type share
-    their PerfModel (``Balancer`` builds one per shape), so a 64-node fleet of
-    three types computes three."""
-
-    __slots__ = ("by_perf", "ctx", "footprint", "prompt", "quotes")
-
-    def __init__(self, prompt: int, ctx: float, footprint: float) -> None:
-        self.prompt, self.ctx, self.footprint = prompt, ctx, footprint
-        self.quotes: dict[tuple[int, int], _Quote] = {}
-        # id(perf) -> the quote last asked for with that perf (the fast path when
-        # a shape's nodes have one slot count, as they mostly do)
-        self.by_perf: dict[int, _Quote] = {}
-
-    def of(self, perf: PerfModel, slots: int) -> _Quote:
-        key = (id(perf), slots)
-        q = self.quotes.get(key)
-        if q is None:
-            q = self.quotes[key] = _Quote(perf, slots, self.prompt, self.ctx, self.footprint)
-        self.by_perf[key[0]] = q
-        return q
