@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tailguard.config.catalog import extend_catalog
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel, perf_model
 from tailguard.errors import ConfigError
 
@@ -82,7 +83,7 @@ def test_unknown_gpu_names_allowed_values() -> None:
 
 
 def test_catalog_extension_and_prices() -> None:
-    cat = DEFAULT_CATALOG.extend({
+    cat = extend_catalog(DEFAULT_CATALOG, {
         "gpus": [{"name": "X1", "tflops": 100, "mem_bw_gbps": 500, "mem_gb": 32, "tdp_w": 200,
                   "price_per_hour": 1.0}],
         "models": [{"name": "tiny-1b", "params": 1e9, "layers": 16, "hidden": 2048,
@@ -92,5 +93,5 @@ def test_catalog_extension_and_prices() -> None:
     assert cat.gpu("H100-SXM").price_per_hour == 8.22
     assert PerfModel(cat.gpu("X1"), cat.model("tiny-1b")).fits
     with pytest.raises(ConfigError, match=r"catalog.gpus\[0\].tflops"):
-        DEFAULT_CATALOG.extend({"gpus": [{"name": "bad", "tflops": -1, "mem_bw_gbps": 1,
-                                          "mem_gb": 1, "tdp_w": 1, "price_per_hour": 1}]})
+        extend_catalog(DEFAULT_CATALOG, {"gpus": [{"name": "bad", "tflops": -1, "mem_bw_gbps": 1,
+                                                   "mem_gb": 1, "tdp_w": 1, "price_per_hour": 1}]})

@@ -70,7 +70,12 @@ def block_for(cls: type[Any], *, bounds: Mapping[str, Mapping[str, Any]] | None 
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         factory: Any = f.default_factory
-        default = f.default if f.default is not dataclasses.MISSING else factory()
+        if f.default is not dataclasses.MISSING:
+            default: Any = f.default
+        elif factory is not dataclasses.MISSING:
+            default = factory()
+        else:
+            default = ...  # required
         limits = bounds.pop(f.name, None)
         if limits is None:
             base = typing.get_args(kind)[0] if isinstance(kind, _UnionType) else kind
@@ -120,6 +125,8 @@ def _config_error(model: type[Block], exc: ValidationError, where: str) -> Confi
         return ConfigError(path, "unknown key", allowed)
     if kind in ("model_type", "dict_type", "model_attributes_type"):
         return ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+    if kind == "missing":
+        return ConfigError(path, "is required")
     message = str(err["msg"])
     for prefix, said in (("Value error, ", ""), ("Input should be ", "must be "),
                          ("Input should ", "must ")):

@@ -34,9 +34,9 @@ efficiencies follow published profiles (eta_m ~0.75 for decode GEMMs, eta_c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, replace
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from tailguard.errors import ConfigError
 
@@ -187,50 +187,15 @@ class Catalog:
             out.add_gpu(replace(g, price_per_hour=float(price)))
         return out
 
-    def extend(self, data: Mapping[str, Any], where: str = "catalog") -> Catalog:
-        """A copy with the ``gpus:`` and ``models:`` entries of user data added.
-
-        Each entry names every field of :class:`GPU` / :class:`Model`
-        (``aliases`` optional); an entry whose name exists replaces it.
-        """
+    def extend(self, gpus: Sequence[GPU] = (), models: Sequence[Model] = ()) -> Catalog:
+        """A copy with ``gpus`` and ``models`` added; an entry whose name exists replaces it
+        (the configuration layer reads them from a file: ``config/catalog.py``)."""
         out = Catalog(tuple(self._gpus.values()), tuple(self._models.values()))
-        for i, raw in enumerate(data.get("gpus") or []):
-            out.add_gpu(_build(GPU, raw, f"{where}.gpus[{i}]"))
-        for i, raw in enumerate(data.get("models") or []):
-            out.add_model(_build(Model, raw, f"{where}.models[{i}]"))
+        for g in gpus:
+            out.add_gpu(g)
+        for m in models:
+            out.add_model(m)
         return out
-
-
-def _build(cls: Any, raw: Any, where: str) -> Any:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, "must be a mapping")
-    fields = cls.__dataclass_fields__
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", "unknown key", sorted(fields))
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in raw:
-            if f.default is MISSING:
-                raise ConfigError(f"{where}.{name}", "is required")
-            continue
-        value = raw[name]
-        if name == "aliases":
-            kwargs[name] = tuple(str(v) for v in value)
-        elif name == "name":
-            kwargs[name] = str(value)
-        else:
-            try:
-                kwargs[name] = float(value)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{where}.{name}", f"must be a number, got {value!r}") from exc
-            if kwargs[name] <= 0 and name not in ("interconnect_gbps",):
-                raise ConfigError(f"{where}.{name}", "must be > 0")
-    if cls is Model:
-        for k in ("layers", "hidden", "kv_heads", "head_dim", "max_context"):
-            if k in kwargs:
-                kwargs[k] = int(kwargs[k])
-    return cls(**kwargs)
 
 
 DEFAULT_CATALOG = Catalog()

@@ -48,6 +48,7 @@ from typing import Any
 from yarl import URL
 
 from tailguard.config import parse_core
+from tailguard.config.catalog import extend_catalog
 from tailguard.config.options import (
     AdmissionBlock,
     HedgingBlock,
@@ -309,7 +310,7 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
     check_keys(m, FLEET_KEYS, "", extensions=True)
     warnings: list[str] = []
     if "catalog" in m:
-        catalog = catalog.extend(require_mapping(m["catalog"], "catalog"))
+        catalog = extend_catalog(catalog, m["catalog"])
     nodes_raw = m.get("nodes")
     if nodes_raw is None:
         nodes_raw = []

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.config import parse_core
+from tailguard.config.catalog import extend_catalog
 from tailguard.config.options import AdmissionBlock, HedgingBlock, LimitsBlock, OutliersBlock
 from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
 from tailguard.core.admission import AdmissionConfig
@@ -261,7 +262,7 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
     m = require_mapping(raw, "scenario")
     check_keys(m, SCENARIO_KEYS, "")
     if "catalog" in m:
-        catalog = catalog.extend(require_mapping(m["catalog"], "catalog"))
+        catalog = extend_catalog(catalog, m["catalog"])
     if "prices" in m:
         catalog = catalog.with_prices(require_mapping(m["prices"], "prices"))
     name = str(m.get("name", "scenario"))
