@@ -90,6 +90,7 @@ def block_for(cls: type[Any], *, bounds: Mapping[str, Mapping[str, Any]] | None 
 
 
 _UnionType = type(int | None)
+_TYPE_TAGS = frozenset({"int", "str", "float", "bool", "list", "tuple", "dict", "none"})
 
 
 def parse(model: type[B], raw: Any, where: str) -> B:
@@ -110,9 +111,13 @@ def parse_core(model: type[Block], raw: Any, where: str, *, optional: bool = Fal
 
 
 def _config_error(model: type[Block], exc: ValidationError, where: str) -> ConfigError:
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # An unknown key first: it is most likely a typo of the key another error misses.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     path = where
     for part in err["loc"]:
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
+            continue  # which member of a union the value was tried as
         if isinstance(part, int):
             path += f"[{part}]"
         elif part:
@@ -128,12 +133,13 @@ def _config_error(model: type[Block], exc: ValidationError, where: str) -> Confi
     if kind == "missing":
         return ConfigError(path, "is required")
     message = str(err["msg"])
-    for prefix, said in (("Value error, ", ""), ("Input should be ", "must be "),
-                         ("Input should ", "must ")):
+    if kind == "value_error":  # a validator's own words, whole
+        return ConfigError(path, message.removeprefix("Value error, "))
+    for prefix, said in (("Input should be ", "must be "), ("Input should ", "must ")):
         if message.startswith(prefix):
             message = said + message[len(prefix):]
     message = message[:1].lower() + message[1:]
-    if kind not in ("missing",) and not isinstance(value, Mapping):
+    if not isinstance(value, Mapping):
         if isinstance(value, float) and not math.isfinite(value):
             message = "must be finite"
         message += f", got {value!r}"

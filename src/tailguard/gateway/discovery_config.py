@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tailguard.errors import ConfigError
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-_KEYS = ("namespace", "selector", "port", "inference_pool", "models", "kubeconfig",
-         "watch_timeout_s")
+from tailguard.config import Block, parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,41 +21,65 @@ class KubernetesDiscoveryConfig:
     watch_timeout_s: int = 300  # the server ends each watch after this; it resumes
 
 
-def parse_discovery(raw: Any) -> KubernetesDiscoveryConfig | None:
+class KubernetesBlock(Block):
+    """``discovery: {kubernetes: ...}``: pods by label selector, or an InferencePool's."""
+
+    CORE = KubernetesDiscoveryConfig
+
+    namespace: str = Field(min_length=1)
+    inference_pool: str | None = Field(None, min_length=1)
+    selector: str = Field("", validate_default=True)  # the pool's own with inference_pool
+    port: int | str | None = Field(None, validate_default=True)
+    models: tuple[str, ...] = Field((), strict=False)
+    kubeconfig: str | None = None
+    watch_timeout_s: int = Field(300, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("models"), str):
+            return {**data, "models": [data["models"]]}  # one model name, as a list
+        return data
+
+    @field_validator("selector")
+    @classmethod
+    def _selector_or_pool(cls, selector: str, info: ValidationInfo) -> str:
+        pool = info.data.get("inference_pool")
+        if pool is None and not selector:
+            raise ValueError("is required (a non-empty string)")
+        if pool is not None and selector:
+            raise ValueError("comes from the InferencePool: give one or the other")
+        return selector
+
+    @field_validator("port")
+    @classmethod
+    def _a_port(cls, port: int | str | None, info: ValidationInfo) -> int | str:
+        pooled = info.data.get("inference_pool") is not None
+        if port is None and pooled:
+            return 0  # the pool's targetPorts
+        if isinstance(port, str) and port:
+            return port  # a container port's name
+        if isinstance(port, int) and (0 < port < 65536 or (port == 0 and pooled)):
+            return port
+        raise ValueError("is required: a port number or a container port name")
+
+    @field_validator("models")
+    @classmethod
+    def _named(cls, models: tuple[str, ...]) -> tuple[str, ...]:
+        if not all(models):
+            raise ValueError("must be a list of model names")
+        return models
+
+
+class DiscoveryBlock(Block):
     """The fleet file's ``discovery:`` (only ``kubernetes`` so far)."""
+
+    kubernetes: KubernetesBlock
+
+
+def parse_discovery(raw: Any) -> KubernetesDiscoveryConfig | None:
+    """The fleet file's ``discovery:`` (None: the nodes of the file alone)."""
     if raw is None:
         return None
-    if not isinstance(raw, Mapping) or set(raw) != {"kubernetes"}:
-        raise ConfigError("discovery", "expected {kubernetes: {namespace, selector, port}}")
-    m = raw["kubernetes"]
-    where = "discovery.kubernetes"
-    if not isinstance(m, Mapping):
-        raise ConfigError(where, "expected a mapping with namespace, selector and port")
-    unknown = sorted(set(m) - set(_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", "unknown key", list(_KEYS))
-    pool = m.get("inference_pool")
-    if pool is not None and (not isinstance(pool, str) or not pool):
-        raise ConfigError(f"{where}.inference_pool", "must be an InferencePool's name")
-    for key in ("namespace",) if pool else ("namespace", "selector"):
-        if not isinstance(m.get(key), str) or not m[key]:
-            raise ConfigError(f"{where}.{key}", "is required (a non-empty string)")
-    if pool and "selector" in m:
-        raise ConfigError(f"{where}.selector", "comes from the InferencePool: give one or the other")
-    port = m.get("port", 0 if pool else None)
-    if isinstance(port, bool) or not ((isinstance(port, int) and 0 <= port < 65536
-                                       and (port or pool)) or (isinstance(port, str) and port)):
-        raise ConfigError(f"{where}.port", "is required: a port number or a container port name")
-    models = m.get("models") or ()
-    if isinstance(models, str):
-        models = (models,)
-    if not all(isinstance(x, str) and x for x in models):
-        raise ConfigError(f"{where}.models", "must be a list of model names")
-    timeout = m.get("watch_timeout_s", 300)
-    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
-        raise ConfigError(f"{where}.watch_timeout_s", "must be a whole number of seconds >= 1")
-    kubeconfig = m.get("kubeconfig")
-    if kubeconfig is not None and not isinstance(kubeconfig, str):
-        raise ConfigError(f"{where}.kubeconfig", "must be a path")
-    return KubernetesDiscoveryConfig(m["namespace"], m.get("selector", ""), port, pool,
-                                     tuple(models), kubeconfig, timeout)
+    cfg: KubernetesDiscoveryConfig = parse(DiscoveryBlock, raw, "discovery").kubernetes.core()
+    return cfg

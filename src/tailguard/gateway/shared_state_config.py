@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tailguard.errors import ConfigError
+from pydantic import Field, ValidationInfo, field_validator
 
-_KEYS = ("url", "replica", "namespace", "period_s", "ttl_s", "timeout_s")
+from tailguard.config import Block, parse_core
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,36 +36,53 @@ def default_replica() -> str:
     return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 
 
+
+
+class SharedStateBlock(Block):
+    """The ``shared_state:`` block. ``ttl_s`` defaults to the larger of 2 s and four
+    periods, ``timeout_s`` to the smaller of 0.5 s and half the TTL."""
+
+    CORE = SharedStateConfig
+
+    url: str
+    replica: str = Field(default_factory=default_replica)
+    namespace: str = "tailguard"
+    period_s: float = Field(0.25, ge=0.01)
+    ttl_s: float | None = Field(None, ge=0.05)
+    timeout_s: float | None = Field(None, ge=0.01)
+
+    @field_validator("url")
+    @classmethod
+    def _a_store(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be redis://HOST:PORT/DB (or rediss://, unix://)")
+        return url
+
+    @field_validator("replica", "namespace")
+    @classmethod
+    def _a_key_part(cls, name: str) -> str:
+        if not name or any(c in name for c in " {}:"):
+            raise ValueError("must be a non-empty name without spaces, braces or colons")
+        return name
+
+    @field_validator("ttl_s")
+    @classmethod
+    def _outlives_two_periods(cls, ttl: float | None, info: ValidationInfo) -> float | None:
+        period = info.data.get("period_s", 0.25)
+        if ttl is not None and ttl < 2 * period:
+            raise ValueError(f"must be at least twice period_s ({2 * period} s): a live "
+                             "replica would expire between publishes")
+        return ttl
+
+    def core(self) -> SharedStateConfig:
+        ttl = self.ttl_s if self.ttl_s is not None else max(2.0, 4 * self.period_s)
+        timeout = self.timeout_s if self.timeout_s is not None else min(0.5, ttl / 2)
+        return SharedStateConfig(self.url, self.replica, self.namespace, self.period_s, ttl,
+                                 timeout)
+
+
 def parse_shared_state(raw: Any) -> SharedStateConfig | None:
-    if raw is None:
-        return None
-    where = "shared_state"
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where, "expected a mapping such as {url: redis://HOST:PORT/DB}")
-    unknown = sorted(set(raw) - set(_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", "unknown key", list(_KEYS))
-    url = raw.get("url")
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"{where}.url", "is required: redis://HOST:PORT/DB (or rediss://, "
-                                          "unix://)")
-    replica = raw.get("replica") or default_replica()
-    namespace = raw.get("namespace", "tailguard")
-    for key, value in (("replica", replica), ("namespace", namespace)):
-        if not isinstance(value, str) or not value or any(c in value for c in " {}:"):
-            raise ConfigError(f"{where}.{key}", "must be a non-empty name without spaces, "
-                                                "braces or colons")
-
-    def seconds(key: str, default: float, lo: float) -> float:
-        v = raw.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float) or v < lo:
-            raise ConfigError(f"{where}.{key}", f"must be a number of seconds >= {lo}")
-        return float(v)
-
-    period = seconds("period_s", 0.25, 0.01)
-    ttl = seconds("ttl_s", max(2.0, 4 * period), 0.05)
-    if ttl < 2 * period:
-        raise ConfigError(f"{where}.ttl_s", f"must be at least twice period_s ({2 * period} s): "
-                                            "a live replica would expire between publishes")
-    timeout = seconds("timeout_s", min(0.5, ttl / 2), 0.01)
-    return SharedStateConfig(url, replica, namespace, period, ttl, timeout)
+    """The fleet file's ``shared_state:`` (None: one replica on its own)."""
+    cfg: SharedStateConfig | None = parse_core(SharedStateBlock, raw, "shared_state",
+                                               optional=True)
+    return cfg
