@@ -60,3 +60,16 @@ def test_unknown_keys_list_the_known_ones_and_x_keys_are_the_users() -> None:
     assert err.value.allowed is not None and "queue_max" in err.value.allowed
     assert parse_core(AdmissionBlock, {"x-owner": "team a", "queue_max": 3},
                       "admission") == AdmissionConfig(queue_max=3)
+
+
+def test_an_unknown_key_is_reported_before_what_it_may_have_misspelt() -> None:
+    from tailguard.gateway.config import parse_fleet
+
+    with pytest.raises(ConfigError) as err:
+        parse_fleet({"discovery": {"kubernetes": {"namespace": "n", "selectr": "a=b",
+                                                  "port": 80}}})
+    assert err.value.field == "discovery.kubernetes.selectr"
+    with pytest.raises(ConfigError) as err:  # a value tried against a union: no type tags
+        parse_fleet({"discovery": {"kubernetes": {"namespace": "n", "selector": "a=b",
+                                                  "port": True}}})
+    assert err.value.field == "discovery.kubernetes.port"
