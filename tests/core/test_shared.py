@@ -152,3 +152,16 @@ def test_a_borrowed_budget_spends_into_debt() -> None:
     h = Hedger(HedgeConfig(enabled=True))
     h.credit, h.lent = 0.0, 2.0
     assert h.try_hedge() and h.credit == -1.0
+
+
+def test_a_leader_report_cannot_cordon_or_take_a_node_down() -> None:
+    """A leader adopts only the detector's own states: an operator's or the probes'
+    in a report are not a leader's to decide (the lifecycle table refuses them)."""
+    b = Balancer(specs(1), [PoolConfig(MODEL)], random.Random(0))
+    b.tick(0.0)
+    for state in ("cordoned", "down", "draining"):
+        report = {"leader": True, "demand": 0, "epoch": 1,
+                  "nodes": {"n0": {"f": 0, "b": 0, "d": [0.0, 0], "p": [0.0, 0],
+                                   "s": [state, 1.0, 0, 0.0, "rogue"]}}}
+        assert b.on_peers(1.0, {"r1": report}, leader=False) == []
+        assert b.nodes["n0"].state is NodeState.HEALTHY

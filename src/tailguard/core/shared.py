@@ -200,6 +200,8 @@ class Peers:
                 if node is None or decided is None or node.state not in LIFECYCLE:
                     continue
                 state = NodeState(decided[0])
+                if state not in LIFECYCLE:  # a leader decides only the detector's states
+                    continue
                 reason = f"{decided[4]} (decided by replica {replica})"
                 det.adopt(node, state, float(decided[1]), int(decided[2]), float(decided[3]), reason,
                           now, self.pools.values(), events)
