@@ -45,9 +45,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import field_validator
 from yarl import URL
 
-from tailguard.config import parse_core
+from tailguard.config import block_for, parse_core
 from tailguard.config.catalog import extend_catalog
 from tailguard.config.options import (
     AdmissionBlock,
@@ -163,16 +164,28 @@ def redact_url(raw: str) -> str:
     return f"{scheme}://***@{authority.rpartition('@')[2]}{slash}{tail}"
 
 
+def _a_path(path: str) -> str:
+    if not path.startswith("/"):
+        raise ValueError(f"must start with '/', got {path!r}")
+    return path
+
+
+_POSITIVE = {"gt": 0.0}
+TimeoutsBlock = block_for(Timeouts, bounds=dict.fromkeys(
+    ("connect_s", "first_byte_s", "idle_s", "total_s"), _POSITIVE))
+ScrapeBlock = block_for(ScrapeSettings, bounds=dict.fromkeys(
+    ("interval_s", "stale_s", "timeout_s"), _POSITIVE),
+    validators={"a_path": field_validator("path")(_a_path)})
+HealthBlock = block_for(HealthSettings, bounds=dict.fromkeys(("interval_s", "timeout_s"),
+                                                             _POSITIVE),
+                        validators={"a_path": field_validator("path")(_a_path)})
+ClientBlock = block_for(ClientSettings, bounds=dict.fromkeys(
+    ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_timeout_s"), _POSITIVE))
+
+
 def parse_timeouts(raw: Any, where: str) -> Timeouts:
-    if raw is None:
-        return Timeouts()
-    m = require_mapping(raw, where)
-    check_keys(m, ("connect_s", "first_byte_s", "idle_s", "total_s"), where, extensions=True)
-    b = Timeouts()
-    return Timeouts(number(m, "connect_s", where, b.connect_s),
-                    number(m, "first_byte_s", where, b.first_byte_s),
-                    number(m, "idle_s", where, b.idle_s),
-                    number(m, "total_s", where, b.total_s))
+    timeouts: Timeouts = parse_core(TimeoutsBlock, raw, where)
+    return timeouts
 
 
 def parse_pool(name: str, raw: Any, where: str, catalog: Catalog = DEFAULT_CATALOG) -> PoolSettings:
@@ -331,34 +344,8 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         pools[str(name)] = parse_pool(str(name), body, f"pools.{name}", catalog)
         if name not in served:
             warnings.append(f"pools.{name}: no node serves this model yet")
-    scrape_raw = require_mapping(m.get("scrape") or {}, "scrape")
-    check_keys(scrape_raw, ("interval_s", "stale_s", "timeout_s", "path"), "scrape", extensions=True)
-    s = ScrapeSettings()
-    scrape = ScrapeSettings(number(scrape_raw, "interval_s", "scrape", s.interval_s),
-                            number(scrape_raw, "stale_s", "scrape", s.stale_s),
-                            number(scrape_raw, "timeout_s", "scrape", s.timeout_s),
-                            _path(scrape_raw, "path", "scrape", s.path))
-    health_raw = require_mapping(m.get("health") or {}, "health")
-    check_keys(health_raw, ("interval_s", "timeout_s", "path", "failures", "successes"), "health", extensions=True)
-    h = HealthSettings()
-    health = HealthSettings(number(health_raw, "interval_s", "health", h.interval_s),
-                            number(health_raw, "timeout_s", "health", h.timeout_s),
-                            _path(health_raw, "path", "health", h.path),
-                            integer(health_raw, "failures", "health", h.failures),
-                            integer(health_raw, "successes", "health", h.successes))
     reload_raw = require_mapping(m.get("reload") or {}, "reload")
     check_keys(reload_raw, ("poll_s",), "reload", extensions=True)
-    client_raw = require_mapping(m.get("client") or {}, "client")
-    check_keys(client_raw, ("header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                            "write_timeout_s", "max_connections"), "client", extensions=True)
-    c = ClientSettings()
-    client = ClientSettings(
-        number(client_raw, "header_timeout_s", "client", c.header_timeout_s),
-        number(client_raw, "body_timeout_s", "client", c.body_timeout_s),
-        number(client_raw, "idle_timeout_s", "client", c.idle_timeout_s),
-        number(client_raw, "write_timeout_s", "client", c.write_timeout_s),
-        integer(client_raw, "max_connections", "client", 1)
-        if "max_connections" in client_raw else None)
     return FleetConfig(
         listen=parse_listen(m.get("listen")),
         nodes=tuple(nodes),
@@ -366,8 +353,8 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         admin=parse_admin(m.get("admin")),
         api_keys=_parse_api_keys(m),
         max_body_bytes=integer(m, "max_body_bytes", "", DEFAULT_MAX_BODY_BYTES),
-        scrape=scrape,
-        health=health,
+        scrape=parse_core(ScrapeBlock, m.get("scrape"), "scrape"),
+        health=parse_core(HealthBlock, m.get("health"), "health"),
         reload_poll_s=number(reload_raw, "poll_s", "reload", 1.0, positive=False, minimum=0.0),
         shutdown_timeout_s=number(m, "shutdown_timeout_s", "", 30.0, positive=False, minimum=0.0),
         emulator=dict(require_mapping(m.get("emulator") or {}, "emulator")),
@@ -378,7 +365,7 @@ def parse_fleet(raw: Any, catalog: Catalog = DEFAULT_CATALOG,
         remediation=parse_remediation(m.get("remediation")),
         discovery=parse_discovery(m.get("discovery")),
         shared_state=parse_shared_state(m.get("shared_state")),
-        client=client,
+        client=parse_core(ClientBlock, m.get("client"), "client"),
     )
 
 
