@@ -1,16 +1,5 @@
-"""The decision core's option sections, as scenario and fleet files spell them.
-
-``outliers:`` (:class:`~tailguard.core.outliers.OutlierConfig`, on by default)
-is read the same way by ``tailguard sim`` (top level of a scenario) and
-``tailguard serve`` (top level of a fleet file): every key is a field of the
-dataclass, type-checked, unknown keys refused::
-
-    outliers: {enabled: true, interval_s: 5, slow_ratio: 1.5, base_ejection_s: 30}
-
-``hedging:`` (:class:`~tailguard.core.hedging.HedgeConfig`, off by default) is
-a scenario's top-level key and a fleet file's per-pool key::
-
-    hedging: {enabled: true, quantile: 0.95, budget: 0.05}   # or after_s: 0.5 (fixed)
+"""The SLO and a replica's pipeline, as scenario and fleet files spell them (the
+core's option blocks, ``limits`` to ``retries``, are ``tailguard.config.options``).
 
 A replica's pipeline (:class:`~tailguard.core.pipeline.Layout`) is a key set of
 a scenario's fleet entry and of a fleet file's node::
