@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tailguard.core.fleet import Node, NodeState
+from tailguard.core.fleet import NodeState
 from tailguard.core.snapshot import NodeSnapshot
 from tailguard.errors import ConfigError
 from tailguard.gateway.api_errors import error_response
@@ -79,8 +79,9 @@ class AdminApi:
 
         return guarded
 
-    def _node(self, request: web.Request) -> Node | None:
-        return self.fleet.balancer.nodes.get(request.match_info["id"])
+    def _node(self, request: web.Request) -> NodeSnapshot | None:
+        """The node the path names, as the read model has it now (None: no such node)."""
+        return self.fleet.balancer.snapshot(time.monotonic()).nodes.get(request.match_info["id"])
 
     async def list_nodes(self, request: web.Request) -> web.StreamResponse:
         snap = self.fleet.balancer.snapshot(time.monotonic())
