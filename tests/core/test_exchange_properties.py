@@ -14,6 +14,7 @@ pump, a node going down). Whatever the order:
 
 from __future__ import annotations
 
+import os
 import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -102,7 +103,11 @@ def setups(draw: st.DrawFn) -> tuple[Balancer, bool, int]:
     return b, draw(st.booleans()), draw(st.integers(1, 3))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# TAILGUARD_PROPERTY_EXAMPLES runs more (a change to the exchange deserves thousands).
+EXAMPLES = int(os.environ.get("TAILGUARD_PROPERTY_EXAMPLES", "300"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups(), st.data())
 def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
         setup: tuple[Balancer, bool, int], data: st.DataObject) -> None:

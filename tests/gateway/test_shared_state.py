@@ -107,7 +107,7 @@ def test_replicas_see_each_others_load_and_cordons_within_a_second() -> None:
                     assert got == [200] * 6
                     assert b.fleet.balancer.nodes["e0"].dispatched_total == 0
                     # budgets: each may borrow half the other's balance (two replicas)
-                    ba, bb = a.fleet.budget("m"), b.fleet.budget("m")
+                    ba, bb = a.fleet.balancer.pools["m"].budget, b.fleet.balancer.pools["m"].budget
                     assert ba.balance > 0.5 and bb.balance > 0.5
                     await wait_for(lambda: abs(bb.lent - ba.balance / 2) < 1e-6
                                    and abs(ba.lent - bb.balance / 2) < 1e-6,

@@ -235,7 +235,7 @@ def test_hedge_with_the_learned_per_request_delay(monkeypatch: pytest.MonkeyPatc
             async with run_gateway(parse_fleet(doc)) as gw:
                 for _ in range(30):  # warm-up: the hedger learns the class's TTFTs
                     await stream(gw)
-                hedger = gw.fleet.hedger(MODEL)
+                hedger = gw.fleet.balancer.pools[MODEL].hedger
                 assert hedger is not None
                 after = hedger.hedge_after("A100-80GB")
                 assert after is not None and after < 1.0  # learned, not a fixed value

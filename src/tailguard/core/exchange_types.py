@@ -140,9 +140,9 @@ def client_tpot(t_first: float, now: float, tokens: int) -> float | None:
 class StreamEnd(NamedTuple):
     """How a stream ended, as :meth:`Exchange.stream_ended` classified what the
     driver saw: ``failure`` None when it was served, ``tpot`` the client's time per
-    output token then, ``error`` the metrics label of a failure."""
+    output token then, ``error`` the metrics label of a failure ("" when served)."""
 
     actions: tuple[Action, ...]
     failure: Failure | None
     tpot: float | None
-    error: str | None = None
+    error: str = ""

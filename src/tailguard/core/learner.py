@@ -240,9 +240,8 @@ class Learner:
                        output_tokens: int) -> None:
         permit = ticket.permit
         assert permit is not None
-        limiter = permit.limiter
-        if limiter is None:
-            return  # ended already
+        limiter = permit.limiter  # open: finish releases a ticket once
+        assert limiter is not None
         node = ticket.node
         if outcome is Outcome.OK:
             tpot = 0.0

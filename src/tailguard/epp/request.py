@@ -163,13 +163,12 @@ class PickedRequest(ResponseSide):
             if len(exclude) == len(pool.nodes):
                 return self._refuse(req.model, 503, "no endpoint of the data plane's subset "
                                     f"serves {req.model!r}", NO_CAPACITY, {"retry-after": "1"})
-        settings = fleet.pool_settings(req.model)
         self.ex = picker.exchange_type(
             fleet.balancer,
             Request(req.model, req.prompt_tokens, req.max_tokens, self._priority(), req.stream,
                     ttft_budget(h.get(TTFT_HEADER)), len(body), exclude, req.prefix,
                     session_key(h.get(SESSION_HEADER), req)),
-            settings.retries, hedge=False)  # the data plane sends no duplicate
+            hedge=False)  # the data plane sends no duplicate
         return self._carry_out(self.ex.arrive(time.monotonic()))
 
     def _carry_out(self, actions: tuple[Action, ...]) -> list[pb.ProcessingResponse] | None:

@@ -203,7 +203,7 @@ class ResponseSide:
                               engine_error=counter.engine_error(), cached_tokens=cached,
                               final=not data)
         if end.failure is not None:
-            metrics.upstream_error(copy.node_id, end.error or end.failure.origin.value)
+            metrics.upstream_error(copy.node_id, end.error)
             self._count(model, end.failure.status)
             return
         metrics.answered(model, copy.node_id, gpu, now - self.t0, tokens,

@@ -126,8 +126,7 @@ class Forwarder:
             fleet.balancer,
             Request(model, req.prompt_tokens, req.max_tokens, call.priority, req.stream,
                     ttft_header(call.request), len(call.body), prefix=req.prefix,
-                    session=session_key(call.request.headers.get(SESSION_HEADER), req)),
-            call.settings.retries)
+                    session=session_key(call.request.headers.get(SESSION_HEADER), req)))
         try:
             return await self._drive(ex, call, ex.arrive(time.monotonic()))
         except BaseException:
@@ -376,7 +375,7 @@ class Forwarder:
             # The engine ended the stream with its own error event: relayed as it
             # is, but no success.
             note(origin="engine_error_mid_stream", tokens=tokens)
-            self.metrics.upstream_error(node.id, end.error or "engine_error")
+            self.metrics.upstream_error(node.id, end.error)
             count_answer(self.metrics, request, model, end.failure.status)
             await _end_stream(out, write_s)
             return out

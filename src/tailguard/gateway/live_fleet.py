@@ -37,9 +37,7 @@ import aiohttp
 from tailguard.core.balancer import Balancer, Event
 from tailguard.core.events import remedy
 from tailguard.core.fleet import NodeState
-from tailguard.core.hedging import Hedger
 from tailguard.core.probes import ProbeRule
-from tailguard.core.retry_budget import RetryBudget
 from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
 from tailguard.gateway.engine_metrics import EngineSample
 from tailguard.gateway.event_log import EventLog
@@ -149,16 +147,6 @@ class LiveFleet:
 
     def pool_settings(self, model: str) -> PoolSettings:
         return self.config.pool(model)
-
-    def budget(self, model: str) -> RetryBudget | None:
-        """The pool's retry budget (None: no pool serves ``model``)."""
-        pool = self.balancer.pools.get(model)
-        return pool.budget if pool is not None else None
-
-    def hedger(self, model: str) -> Hedger | None:
-        """The pool's hedger; None when hedging is off for it."""
-        pool = self.balancer.pools.get(model)
-        return pool.hedger if pool is not None else None
 
     def budget_balances(self) -> dict[str, list[float | None]]:
         """Each pool's retry balance and hedge credit, for the other replicas."""
