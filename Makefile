@@ -45,6 +45,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports
 
+schemas: $(STAMP)  # after changing a file format: the published JSON Schemas
+	$(BIN)/python -m tailguard schema fleet -o schemas/fleet.schema.json
+	$(BIN)/python -m tailguard schema scenario -o schemas/scenario.schema.json
+
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
 

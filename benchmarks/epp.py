@@ -47,12 +47,12 @@ from gateway_overhead import cpu_s, free_port  # this folder's: run as a script
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import summarize
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.epp.envoy_config import envoy_yaml
-from tailguard.gateway.config import parse_fleet
 from tailguard.sim.capacity import capacity_bound
-from tailguard.sim.workload import parse_length_dist
+from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"
 INPUT = {"dist": "lognormal", "mu": 6.0, "sigma": 0.7, "max": 4096}

@@ -24,8 +24,8 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
+from tailguard.adapters.runtime import loop_factory
 from tailguard.epp.protocol import body_echo, routing
-from tailguard.gateway.server import _loop_factory
 
 
 class FloorPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--endpoint", required=True, help="ip:port every request is routed to")
     args = ap.parse_args()
-    with asyncio.Runner(loop_factory=_loop_factory) as runner:  # tailguard epp's loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:  # tailguard epp's loop
         runner.run(serve(args.port, args.endpoint))
 
 

@@ -41,9 +41,9 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import run_gateway
-from tailguard.gateway.config import parse_fleet
 
 MODEL = "llama-3.1-8b"
 

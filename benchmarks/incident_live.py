@@ -40,13 +40,13 @@ import numpy as np
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import Record, summarize
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.gateway.app import run_gateway
-from tailguard.gateway.config import parse_fleet
 from tailguard.sim.capacity import capacity_bound
-from tailguard.sim.workload import parse_length_dist
+from tailguard.traffic.workload import parse_length_dist
 
 INPUT = {"dist": "lognormal", "mu": 8.0, "sigma": 0.5, "max": 16000}
 OUTPUT = {"dist": "uniform", "min": 16, "max": 128}
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    for name in ("tailguard.request", "tailguard.gateway.monitor", "tailguard.gateway"):
+    for name in ("tailguard.request", "tailguard.adapters.monitor", "tailguard.gateway"):
         logging.getLogger(name).setLevel(logging.ERROR)
     out = asyncio.run(main_async(args))
     if args.json:

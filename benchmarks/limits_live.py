@@ -37,15 +37,15 @@ import aiohttp
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import summarize
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.engine import EngineConfig
 from tailguard.gateway.app import run_gateway
-from tailguard.gateway.config import parse_fleet
 from tailguard.planner.plan import plan_groups
 from tailguard.sim.capacity import capacity_bound
-from tailguard.sim.workload import parse_length_dist
+from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"
 FLEET = (("A100-80GB", 1), ("L4", 3))

@@ -53,9 +53,9 @@ from typing import Any
 from tailguard.errors import ConfigError
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import parse_scenario
-from tailguard.sim.sessions import PrefixSpec, generate_sessions
-from tailguard.sim.traces import MOONCAKE_BLOCK_TOKENS
-from tailguard.sim.workload import parse_length_dist
+from tailguard.traffic.sessions import PrefixSpec, generate_sessions
+from tailguard.traffic.traces import MOONCAKE_BLOCK_TOKENS
+from tailguard.traffic.workload import parse_length_dist
 
 POLICIES = ("tailguard", "cache_aware", "least_request", "round_robin", "consistent_hash")
 MIXED = ("H100-SXM", "A100-80GB", "L40S", "L4", "T4")
@@ -175,11 +175,11 @@ async def live_one(policy: str, fleet: list[tuple[str, int]], rate: float, durat
 
     from tailguard.bench import BenchConfig, LoadGenerator
     from tailguard.bench.loadgen import summarize
+    from tailguard.config.fleet import parse_fleet
     from tailguard.core.policies import Slo
     from tailguard.emulator import EmulatedNode, run_emulator
     from tailguard.gateway.app import run_gateway
-    from tailguard.gateway.config import parse_fleet
-    from tailguard.sim.workload import generate, parse_workload
+    from tailguard.traffic.workload import generate, parse_workload
 
     model = "llama-3.1-8b"
     slo = Slo(ttft_s=1.0, tpot_s=0.1)

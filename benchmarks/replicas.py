@@ -62,7 +62,7 @@ from tailguard.bench.loadgen import Record, summarize
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.sim.capacity import capacity_bound
-from tailguard.sim.workload import parse_length_dist
+from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"
 INPUT = {"dist": "lognormal", "mu": 6.0, "sigma": 0.7, "max": 4096}

@@ -243,7 +243,7 @@ def stalls(seed: int, cases: int) -> list[dict[str, Any]]:
         fast = [n for n in node_ids(groups) if not n.startswith(("L4", "T4"))]
         victims = rng.sample(fast, max(2, len(fast) // 2))
         faults = [{"node": v, "kind": "stall", "at_s": 30 + 3 * i, "period_s": 10,
-                   "pause_s": 2.0} for i, v in enumerate(victims)]
+                   "seconds": 2.0} for i, v in enumerate(victims)]
         s = seed * 100 + c
         window = (60.0, 300.0)  # the measured requests (after the warm-up)
         base = run(scenario(s, groups, 300, [], load=0.7), window)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tailguard.gateway.config import parse_fleet
+from tailguard.config.fleet import parse_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -280,11 +280,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the differences here")
     p.set_defaults(func=cmd_replay)
 
+    p = sub.add_parser("schema", help="print the JSON Schema of a fleet file or a scenario "
+                                      "(for editors: yaml-language-server, VS Code)")
+    p.add_argument("format", choices=sorted(SCHEMAS))
+    p.add_argument("-o", "--output", help="write it here instead of to stdout")
+    p.set_defaults(func=cmd_schema)
+
     p = sub.add_parser("gpus", help="list the GPU catalog")
     p.set_defaults(func=cmd_gpus)
     p = sub.add_parser("models", help="list the model catalog")
     p.set_defaults(func=cmd_models)
     return parser
+
+
+SCHEMAS = ("fleet", "scenario")
+
+
+def schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of a file format: ``fleet`` or ``scenario``."""
+    from tailguard.config.fleet import FleetFile
+    from tailguard.config.parse import json_schema
+    from tailguard.sim.scenario import ScenarioFile
+
+    body = json_schema(FleetFile if name == "fleet" else ScenarioFile)
+    body.pop("title", None)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": f"tailguard {name} file", **body}
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = json.dumps(schema(args.format), indent=2, sort_keys=False) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,13 +37,13 @@ from rich.text import Text
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import Record, summarize
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.events import Event
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 from tailguard.sim.capacity import capacity_bound
-from tailguard.sim.workload import parse_length_dist
+from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"
 FLEET = (("A100-80GB", 2), ("V100", 2), ("L4", 6))
@@ -300,14 +300,14 @@ async def run_demo(duration_s: float, load: float | None, console: Console, *,
 def cmd_demo(args: argparse.Namespace) -> int:
     import logging
 
-    from tailguard.gateway.server import _loop_factory
+    from tailguard.adapters.runtime import loop_factory
 
     # The view shows states and faults; the request log (a 499 per request cut off
     # by Ctrl-C) and the monitor's lines would only scroll through it.
-    for name in ("tailguard.request", "tailguard.gateway.monitor", "tailguard.gateway"):
+    for name in ("tailguard.request", "tailguard.adapters.monitor", "tailguard.gateway"):
         logging.getLogger(name).setLevel(logging.ERROR)
     console = Console()
-    runner = asyncio.Runner(loop_factory=_loop_factory)
+    runner = asyncio.Runner(loop_factory=loop_factory)
     try:
         runner.run(run_demo(args.duration, args.load, console,
                             baseline=None if args.no_baseline else args.baseline,

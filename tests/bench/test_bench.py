@@ -20,7 +20,7 @@ from tailguard.cli import main
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, Emulator, run_emulator
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import FixedLength
+from tailguard.traffic.workload import FixedLength
 
 
 @asynccontextmanager

@@ -42,10 +42,10 @@ def test_blocks_build_the_cores_dataclasses_with_its_defaults() -> None:
     (LimitsBlock, {"target": math.nan}, "limits", "limits.target", "finite"),
     (AdmissionBlock, {"queue_max": -1}, "admission", "admission.queue_max", "-1"),
     (AdmissionBlock, {"queue_max": "many"}, "admission", "admission.queue_max", "'many'"),
-    (OutliersBlock, {"interval_s": 0}, "outliers", "outliers.interval_s", "greater than 0"),
+    (OutliersBlock, {"interval_s": 0}, "outliers", "outliers.interval_s", "must be > 0"),
     (HedgingBlock, [1], "pools.m.hedging", "pools.m.hedging", "mapping"),
-    (HedgingBlock, {"quantile": 1.0}, "hedging", "hedging.quantile", "less than 1"),
-    (RetriesBlock, {"budget": 2}, "pools.m.retries", "pools.m.retries.budget", "less than"),
+    (HedgingBlock, {"quantile": 1.0}, "hedging", "hedging.quantile", "must be < 1"),
+    (RetriesBlock, {"budget": 2}, "pools.m.retries", "pools.m.retries.budget", "must be <= 1"),
 ])
 def test_errors_name_the_field(block: type, raw: object, where: str, field: str,
                                said: str) -> None:
@@ -63,7 +63,7 @@ def test_unknown_keys_list_the_known_ones_and_x_keys_are_the_users() -> None:
 
 
 def test_an_unknown_key_is_reported_before_what_it_may_have_misspelt() -> None:
-    from tailguard.gateway.config import parse_fleet
+    from tailguard.config.fleet import parse_fleet
 
     with pytest.raises(ConfigError) as err:
         parse_fleet({"discovery": {"kubernetes": {"namespace": "n", "selectr": "a=b",

@@ -144,8 +144,8 @@ def test_pipeline_entries_are_checked() -> None:
 
 
 def test_a_fleet_files_pipeline_node_reaches_the_router_and_recordings() -> None:
+    from tailguard.config.fleet import parse_node
     from tailguard.core.record import from_jsonable, spec_to_dict
-    from tailguard.gateway.config import parse_node
 
     node = parse_node({"id": "p0", "url": "http://127.0.0.1:9", "models": ["qwen2.5-32b"],
                        "stages": [{"gpu": "H100"}, {"gpu": "A100"}], "split": [36, 28]},

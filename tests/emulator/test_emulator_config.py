@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from tailguard.cli import main
+from tailguard.config.fleet import parse_fleet
 from tailguard.emulator import EmulatedNode, nodes_from_fleet, parse_fault
 from tailguard.emulator.faults import combine
 from tailguard.emulator.protocol import RequestError, estimate_prompt_tokens, parse_request
 from tailguard.errors import ConfigError
-from tailguard.gateway.config import parse_fleet
 
 
 def fleet(*nodes: dict[str, object], **top: object) -> list[EmulatedNode]:
@@ -61,8 +61,13 @@ def test_bad_nodes_name_the_field(node: dict[str, object], field: str) -> None:
 
 
 def test_fault_specs_and_their_combination() -> None:
-    assert parse_fault({"kind": "error_rate", "rate": 0.2}).kind == "errors"
-    stall = parse_fault({"kind": "stall", "pause_s": 1, "period_s": 10, "duration_s": 60})
+    with pytest.raises(ConfigError) as renamed:
+        parse_fault({"kind": "error_rate", "rate": 0.2})
+    assert renamed.value.field == "fault.kind" and "'errors'" in renamed.value.message
+    with pytest.raises(ConfigError) as stray:
+        parse_fault({"kind": "errors", "rate": 0.2, "factor": 0.5})
+    assert stray.value.field == "fault.factor"
+    stall = parse_fault({"kind": "stall", "seconds": 1, "period_s": 10, "duration_s": 60})
     assert (stall.seconds, stall.period_s, stall.duration_s) == (1, 10, 60)
     with pytest.raises(ConfigError):
         parse_fault({"kind": "stall", "seconds": 2, "period_s": 1})
@@ -77,7 +82,7 @@ def test_fault_specs_and_their_combination() -> None:
     assert state.error_rate == 0.75
     assert state.hang and not state.crash
     assert not state.slow_link
-    link = combine([parse_fault({"kind": "slow_network", "delay_s": 0.2}),
+    link = combine([parse_fault({"kind": "network", "delay_s": 0.2}),
                     parse_fault({"kind": "network", "delay_s": 0.1, "jitter_s": 0.05})])
     assert (link.delay_s, link.jitter_s) == (pytest.approx(0.3), 0.05) and link.slow_link
     with pytest.raises(ConfigError) as err:

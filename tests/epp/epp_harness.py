@@ -24,11 +24,11 @@ from envoy.service.ext_proc.v3 import (
 )
 from google.protobuf import struct_pb2
 
+from tailguard.config.fleet import FleetConfig, parse_fleet
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.emulator.server import Emulator
 from tailguard.epp.envoy_config import envoy_yaml
 from tailguard.epp.server import RunningPicker, run_epp
-from tailguard.gateway.config import FleetConfig, parse_fleet
 
 MODEL = "llama-3.1-8b"
 MSG = [{"role": "user", "content": "Why do mixed fleets have stragglers?"}]

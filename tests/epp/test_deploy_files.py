@@ -9,8 +9,8 @@ import pytest
 import yaml
 from epp_harness import ENVOY
 
+from tailguard.config.fleet import load_fleet, parse_fleet
 from tailguard.epp.envoy_config import envoy_yaml
-from tailguard.gateway.config import load_fleet, parse_fleet
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

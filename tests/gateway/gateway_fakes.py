@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 
 def free_port() -> int:

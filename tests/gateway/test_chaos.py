@@ -25,8 +25,8 @@ import aiohttp
 import yaml
 from gateway_fakes import FakeEngine, fleet_doc, free_port, wait_for
 
+from tailguard.config.fleet import load_fleet
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import load_fleet
 
 MSG = [{"role": "user", "content": "hello there, how are you"}]
 SRC = str(Path(__file__).resolve().parents[2] / "src")

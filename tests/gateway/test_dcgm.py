@@ -16,11 +16,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tailguard.adapters.dcgm import DcgmError, gpu_mismatch, parse_dcgm
+from tailguard.config.fleet import parse_fleet, parse_node
 from tailguard.core.events import Event
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.gateway.app import run_gateway
-from tailguard.gateway.config import parse_fleet, parse_node
-from tailguard.gateway.dcgm import DcgmError, gpu_mismatch, parse_dcgm
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dcgm_exporter.txt"
 

@@ -20,11 +20,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.fleet import NodeState
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.errors import ConfigError
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 pytest.importorskip("kubernetes_asyncio")
 

@@ -2,7 +2,7 @@
 
 The same five requests, one after another, meet the same failures in both:
 node ``n1`` answers every request with a 5xx and node ``n2`` refuses
-connections (in the simulator an ``error_rate`` of 1 and a crash; in front of
+connections (in the simulator an ``errors`` fault of rate 1 and a crash; in front of
 the gateway a scripted engine answering 500 and a port nobody listens on).
 Round robin makes the node each request meets the same. Both drivers build
 their exchanges from one tracing subclass, and the sequences of actions the
@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 import aiohttp
 from gateway_fakes import FakeEngine, fleet_doc, free_port
 
+from tailguard.config.faults import FaultSpec
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.exchange import (
     Action,
     ArmTimer,
@@ -35,9 +37,8 @@ from tailguard.core.hedging import HedgeConfig
 from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
 from tailguard.gateway.app import PROXY, run_gateway
-from tailguard.gateway.config import parse_fleet
 from tailguard.sim.cluster import run_cluster
-from tailguard.sim.scenario import Fault, parse_scenario
+from tailguard.sim.scenario import parse_scenario
 
 MODEL = "llama-3.1-8b"
 REQUESTS = 5
@@ -115,9 +116,9 @@ def simulated(hedging: bool) -> list[tuple[Any, ...]]:
     })
     plans = [dataclasses.replace(p, id=f"n{i}") for i, p in enumerate(scn.nodes())]
     if hedging:  # n0 pauses for longer than the hedge delay, with the first request on it
-        faults = [Fault("n0", "stall", 0.0, duration_s=0.5, period_s=100.0, pause_s=2.0)]
+        faults = [FaultSpec("stall", 0.0, duration_s=0.5, node="n0", seconds=2.0)]
     else:
-        faults = [Fault("n1", "error_rate", 0.0, rate=1.0), Fault("n2", "crash", 0.0)]
+        faults = [FaultSpec("errors", 0.0, node="n1", rate=1.0), FaultSpec("crash", 0.0, node="n2")]
     n = 1 if hedging else REQUESTS
     Traced.log = []
     run_cluster(plans, MODEL, [i * GAP_S for i in range(n)], [50] * n, [4] * n, policy="round_robin", slo=Slo(), seed=1, faults=faults,

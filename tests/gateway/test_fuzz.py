@@ -27,9 +27,9 @@ import pytest
 from gateway_fakes import FakeEngine, fleet_doc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,

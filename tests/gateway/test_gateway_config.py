@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 
 from tailguard.cli import main
-from tailguard.errors import ConfigError
-from tailguard.gateway.config import (
+from tailguard.config.fleet import (
     DEFAULT_MAX_BODY_BYTES,
     AdminConfig,
     load_fleet,
     parse_fleet,
     parse_listen,
 )
+from tailguard.errors import ConfigError
 
 EXAMPLE = """\
 listen: 127.0.0.1:8080
@@ -100,8 +100,8 @@ def test_all_optional_keys() -> None:
     })
     n = cfg.nodes[0]
     assert cfg.listen == ("127.0.0.1", 9000)
-    assert n.weight == 2.0 and n.max_num_seqs == 64 and n.faults[0]["factor"] == 0.4
-    assert n.emulator == {"speed": 2}
+    assert n.weight == 2.0 and n.max_num_seqs == 64 and n.faults[0].factor == 0.4
+    assert n.emulator.speed == 2
     p = cfg.pool("m")
     assert p.timeouts.first_byte_s == 3 and p.retries.attempts == 2 and p.retries.budget == 0.1
     assert cfg.api_keys == ("k1", "k2") and cfg.max_body_bytes == 1024

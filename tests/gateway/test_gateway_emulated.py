@@ -16,10 +16,10 @@ import aiohttp
 import openai
 import pytest
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.emulator.server import Emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 MODEL = "llama-3.1-8b"
 MSG = [{"role": "user", "content": "Why do mixed fleets have stragglers?"}]

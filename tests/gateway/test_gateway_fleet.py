@@ -16,9 +16,10 @@ import pytest
 import yaml
 from gateway_fakes import FakeEngine, fleet_and_gateway, fleet_doc, free_port, wait_for
 
+from tailguard.config.faults import FaultSpec
+from tailguard.config.fleet import EmulatorOptions, load_fleet
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import load_fleet
 
 MSG = [{"role": "user", "content": "hello"}]
 TOKEN = "admin-sekret"
@@ -215,18 +216,18 @@ def test_serve_process_sighup_and_graceful_sigterm(tmp_path: Path) -> None:
 
 
 def test_fleet_file_is_shared_with_the_emulator_shape(tmp_path: Path) -> None:
-    """Keys the emulator reads ride along in NodeConfig untouched."""
+    """The emulator's keys are checked with the fleet file and ride along in NodeConfig."""
     path = tmp_path / "fleet.yaml"
     path.write_text(json.dumps({
         "nodes": [{"id": "x", "url": "http://127.0.0.1:8101", "gpu": "H100", "models": ["m"],
-                   "faults": [{"kind": "stall", "at_s": 3, "duration_s": 2}],
+                   "faults": [{"kind": "stall", "seconds": 1, "at_s": 3, "duration_s": 2}],
                    "emulator": {"max_num_batched_tokens": 2048}}],
         "emulator": {"speed": 1.0},
     }))
     cfg = load_fleet(path)
-    assert cfg.nodes[0].faults == ({"kind": "stall", "at_s": 3, "duration_s": 2},)
-    assert cfg.nodes[0].emulator == {"max_num_batched_tokens": 2048}
-    assert cfg.emulator == {"speed": 1.0}
+    assert cfg.nodes[0].faults == (FaultSpec("stall", 3.0, 2.0, seconds=1.0),)
+    assert cfg.nodes[0].emulator == EmulatorOptions(max_num_batched_tokens=2048)
+    assert cfg.emulator == EmulatorOptions(speed=1.0)
     assert cfg.nodes[0].port == 8101 and cfg.nodes[0].host == "127.0.0.1"
     assert cfg.nodes[0].spec().gpu is not None
     assert NodeState.DOWN.routable is False

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from tailguard.core.retry_budget import RetryBudget
-from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
-from tailguard.gateway.openai_request import (
+from tailguard.adapters.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
+from tailguard.adapters.openai_request import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
     InvalidRequest,
     parse_request,
 )
-from tailguard.gateway.sse import SseCounter, usage_cached_tokens, usage_completion_tokens
+from tailguard.adapters.sse import SseCounter, usage_cached_tokens, usage_completion_tokens
+from tailguard.core.retry_budget import RetryBudget
 
 STREAM = (
     b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'

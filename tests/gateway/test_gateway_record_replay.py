@@ -14,12 +14,12 @@ from pathlib import Path
 from openai import AsyncOpenAI, RateLimitError
 
 from tailguard.cli import main
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.replay import replay
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import run_gateway
-from tailguard.gateway.config import parse_fleet
 from tailguard.gateway.recording import read_decisions
-from tailguard.sim.workload import read_trace
+from tailguard.traffic.workload import read_trace
 
 MODEL = "llama-3.1-8b"
 
@@ -88,7 +88,7 @@ def test_recording_is_a_simulator_workload(tmp_path: Path) -> None:
     assert reqs.arrival_s[0] == 0.0 and reqs.arrival_s == sorted(reqs.arrival_s)
     # Answer lengths are what the gateway counted: exact for non-streamed
     # answers (usage), up to two high for streams without a usage chunk (the
-    # role-only first event and the finish event; see gateway/sse.py).
+    # role-only first event and the finish event; see adapters/sse.py).
     assert all(8 <= n <= 47 + 2 for n in reqs.output_tokens)
     assert sum(reqs.input_tokens) > 60 * 10
 

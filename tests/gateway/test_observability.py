@@ -26,10 +26,10 @@ from gateway_fakes import (
 )
 from multidict import CIMultiDict
 
+from tailguard.adapters.logs import JsonFormatter, TextFormatter
 from tailguard.core.events import Event
 from tailguard.core.fleet import Actor, NodeState
 from tailguard.gateway.app import DASHBOARD, RunningGateway
-from tailguard.gateway.logs import JsonFormatter, TextFormatter
 
 MSG = [{"role": "user", "content": "hello"}]
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -18,11 +18,11 @@ import openai
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import summarize
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import run_gateway
-from tailguard.gateway.config import parse_fleet
-from tailguard.sim.workload import generate, parse_workload
+from tailguard.traffic.workload import generate, parse_workload
 
 MODEL = "llama-3.1-8b"
 SLO = Slo(ttft_s=1.0, tpot_s=0.1)

@@ -47,9 +47,9 @@ import openai
 from gateway_fakes import wait_for
 from llama_servers import MODEL_NAME, LlamaServer, find_engine
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence, plainly, without lists. "
           "The user is curious about nature, animals and the weather.")

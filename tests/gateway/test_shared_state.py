@@ -1,4 +1,4 @@
-"""Gateway replicas sharing fleet state through a real redis-server (gateway/shared_state.py)."""
+"""Gateway replicas sharing fleet state through a real redis-server (adapters/shared_state.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 from gateway_fakes import FakeEngine, fleet_doc, wait_for
 from redis_server import RedisServer, redis_server
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
 from tailguard.core.replay import replay
 from tailguard.errors import ConfigError
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 TOKEN = "shared-test-token"
 MSG = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import pytest
 from multidict import CIMultiDict
 
-from tailguard.gateway.upstream import (
+from tailguard.adapters.upstream import (
     HIGH_WATER,
     UpstreamClient,
     UpstreamConnectError,

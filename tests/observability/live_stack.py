@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tailguard.config.fleet import parse_fleet
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.gateway.config import parse_fleet
 
 MODEL = "llama-3.1-8b"
 MIXED = (("h100-0", "H100-SXM"), ("a100-0", "A100-80GB"), ("a100-1", "A100-80GB"),

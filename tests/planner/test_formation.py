@@ -9,12 +9,12 @@ import pytest
 import yaml
 
 from tailguard.cli import main
+from tailguard.config.fleet import load_fleet
 from tailguard.core.events import remedy
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.core.pipeline import StageSpec
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
-from tailguard.gateway.config import load_fleet
 from tailguard.planner.formation import (
     RATIO_TOLERANCE,
     Rated,

@@ -14,12 +14,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tailguard.adapters.event_log import EventLog
+from tailguard.adapters.remediation import Remediator, parse_remediation
+from tailguard.adapters.remediation.actions import delete_pod, run_command
+from tailguard.config.fleet import parse_fleet
 from tailguard.core.events import Event
 from tailguard.errors import ConfigError
-from tailguard.gateway.config import parse_fleet
-from tailguard.gateway.event_log import EventLog
-from tailguard.remediation import Remediator, parse_remediation
-from tailguard.remediation.actions import delete_pod, run_command
 
 
 class FakeFleet:

@@ -6,10 +6,11 @@ from typing import Any
 
 import pytest
 
+from tailguard.config.faults import FaultSpec
 from tailguard.errors import ConfigError
 from tailguard.sim.nodes import SimNode, apply_fault
 from tailguard.sim.run import simulate
-from tailguard.sim.scenario import Fault, PolicyChoice, parse_scenario
+from tailguard.sim.scenario import PolicyChoice, parse_scenario
 
 
 def scenario(faults: list[dict[str, Any]], duration: float = 160.0,
@@ -37,8 +38,8 @@ def test_a_replica_steps_at_its_slowest_ranks_pace() -> None:
     ns = SimNode(0, plan, step_by_step=False)
     base = ns.speed
 
-    def fault(**kw: Any) -> Fault:
-        return Fault(plan.id, "throttle", 0.0, **kw)
+    def fault(**kw: Any) -> FaultSpec:
+        return FaultSpec("throttle", 0.0, node=plan.id, **kw)
 
     def step(batch: int) -> float:
         return ns.engine.perf.step_time(batch, batch * 1024.0) / ns.speed
@@ -79,7 +80,7 @@ def test_a_throttled_gpu_slows_only_its_pipeline_stage() -> None:
     ns = SimNode(0, plan, step_by_step=False)
     ctx = 64 * 1024.0
     healthy = ns.engine.perf.step_time(64, ctx)
-    apply_fault(Fault(plan.id, "throttle", 0.0, factor=0.5, gpu_index=3), False, ns, 0.0,
+    apply_fault(FaultSpec("throttle", 0.0, node=plan.id, factor=0.5, gpu_index=3), False, ns, 0.0,
                 lambda *_: None, lambda *_: None)
     slowed = ns.engine.perf.step_time(64, ctx)
     assert 1.6 < slowed / healthy < 2.0
@@ -90,7 +91,7 @@ def test_gpu_index_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"faults\[0\]\.gpu_index"):
         parse_scenario(scenario([{"node": "A100-80GB#0", "kind": "throttle", "factor": 0.5,
                                   "gpu_index": 4}]))  # a TP-4 replica has GPUs 0..3
-    with pytest.raises(ConfigError, match="only a throttle"):
+    with pytest.raises(ConfigError, match="gpu_index: does not apply to a stall"):
         parse_scenario(scenario([{"node": "A100-80GB#0", "kind": "stall", "gpu_index": 1}]))
     with pytest.raises(ConfigError, match="gpu_telemetry"):
         parse_scenario(scenario([], gpu_telemetry="yes"))

@@ -13,8 +13,8 @@ import pytest
 from tailguard.errors import ConfigError
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import parse_scenario
-from tailguard.sim.sessions import Chain
-from tailguard.sim.workload import generate, parse_workload, read_trace
+from tailguard.traffic.sessions import Chain
+from tailguard.traffic.workload import generate, parse_workload, read_trace
 
 MSG = {"dist": "lognormal", "mu": 5.0, "sigma": 0.5, "max": 2000}
 ANS = {"dist": "fixed", "value": 100}

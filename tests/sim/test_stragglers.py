@@ -47,7 +47,7 @@ def test_throttle_detected_within_15_s_and_peers_untouched() -> None:
 
 
 def test_errors_quarantine_then_probation() -> None:
-    res = run(scenario([{"node": "A100-80GB#2", "kind": "error_rate", "rate": 1.0,
+    res = run(scenario([{"node": "A100-80GB#2", "kind": "errors", "rate": 1.0,
                          "at_s": 60, "duration_s": 20}],
                        outliers={"base_ejection_s": 10.0}))
     states = [e["state"] for e in res["events"] if e["node"] == "A100-80GB#2"]
@@ -91,7 +91,7 @@ def stuck(raw: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 
 def test_stalls_are_routed_around_and_hedging_frees_what_they_hold() -> None:
-    stalls = [{"node": n, "kind": "stall", "at_s": 20 + 3 * i, "period_s": 10, "pause_s": 2.0}
+    stalls = [{"node": n, "kind": "stall", "at_s": 20 + 3 * i, "period_s": 10, "seconds": 2.0}
               for i, n in enumerate(("A100-80GB#0", "A100-80GB#2", "H100-SXM#0"))]
     off, off_over = stuck(scenario(stalls, 150.0))
     on, on_over = stuck(scenario(stalls, 150.0, hedging={"enabled": True}))

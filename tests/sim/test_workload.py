@@ -1,4 +1,4 @@
-"""Workload parsing, generation and traces (tailguard.sim.workload)."""
+"""Workload parsing, generation and traces (tailguard.traffic.workload)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import (
+from tailguard.traffic.workload import (
     DISTS,
     PROCESSES,
     TOKEN_CAP,

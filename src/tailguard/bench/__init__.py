@@ -1,7 +1,7 @@
 """``tailguard bench``: a load generator for OpenAI-compatible endpoints.
 
 See :mod:`tailguard.bench.loadgen` for what is offered and measured, and
-:mod:`tailguard.bench.lengths` for the command-line length distributions.
+:mod:`tailguard.traffic.length_args` for the command-line length distributions.
 
 Programmatic use (the demo, tests)::
 
@@ -12,9 +12,9 @@ Programmatic use (the demo, tests)::
     doc["results"]["bench"]["ttft_s"]["p99"]
 """
 
-from tailguard.bench.lengths import length_dist_mapping, parse_length_arg
 from tailguard.bench.loadgen import BenchConfig, LoadGenerator, Progress, run_bench
 from tailguard.bench.summary import Record
+from tailguard.traffic.length_args import length_dist_mapping, parse_length_arg
 
 __all__ = [
     "BenchConfig",

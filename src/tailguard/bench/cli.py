@@ -21,12 +21,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tailguard.bench.lengths import parse_length_arg
 from tailguard.bench.loadgen import BenchConfig, Progress, run_bench
-from tailguard.config_file import read_yaml
+from tailguard.config.files import read_yaml
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import Requests, generate, parse_workload
+from tailguard.traffic.length_args import parse_length_arg
+from tailguard.traffic.workload import Requests, generate, parse_workload
 
 
 def add_parser(sub: Any) -> None:

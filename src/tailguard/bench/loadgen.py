@@ -15,7 +15,7 @@ Two ways to offer load:
   reports the hit rate the engines reported (``usage.prompt_tokens_details``).
 
 Prompt and answer lengths are drawn from the simulator's length
-distributions (:mod:`tailguard.sim.workload`) with a seeded generator, so
+distributions (:mod:`tailguard.traffic.workload`) with a seeded generator, so
 ``tailguard sim`` and ``tailguard bench`` can offer the same workload. A
 prompt of ``n`` tokens is a word unique to the request and ``n - 4``
 repetitions of ``" tok"``: about one BPE token each for a real tokenizer, and
@@ -71,7 +71,7 @@ import aiohttp
 from tailguard.bench.prefix_text import BlockText
 from tailguard.bench.summary import DIRECT, OK, Record, summarize
 from tailguard.core.policies import Slo
-from tailguard.sim.workload import FixedLength, LengthDist, Requests
+from tailguard.traffic.workload import FixedLength, LengthDist, Requests
 
 NODE_HEADER = "x-tailguard-node"
 SESSION_HEADER = "x-session-id"

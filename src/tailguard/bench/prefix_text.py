@@ -1,6 +1,6 @@
 """Text for prompts that share prefixes, from a workload's block hashes.
 
-A simulated workload (``tailguard.sim.sessions``) or a Mooncake trace says
+A simulated workload (``tailguard.traffic.sessions``) or a Mooncake trace says
 which ``block_tokens``-token blocks each prompt is made of: equal hashes, equal
 content. To replay it against real engines, every hash becomes a fixed text
 of ``block_tokens`` words drawn from a generator seeded by the hash, so two

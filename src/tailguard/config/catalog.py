@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from tailguard.config.parse import Block, block_for, parse
+from tailguard.config.parse import Block, block_for, parse, retype
 from tailguard.core.hardware import GPU, Catalog, Model
 
 # Every figure of a card or a model is positive; a card may have no link of its own.
@@ -38,15 +38,12 @@ class CatalogBlock(Block):
     models: list[Block] = Field(default_factory=list)
 
 
-# The entries' own block types, in place of the annotations' Block.
-CatalogBlock.model_fields["gpus"].annotation = list[GpuBlock]  # type: ignore[valid-type]
-CatalogBlock.model_fields["models"].annotation = list[ModelBlock]  # type: ignore[valid-type]
-CatalogBlock.model_rebuild(force=True)
+retype(CatalogBlock, gpus=list[GpuBlock], models=list[ModelBlock])  # type: ignore[valid-type]
 
 
 def extend_catalog(catalog: Catalog, raw: Any, where: str = "catalog") -> Catalog:
     """``catalog`` with a file's ``catalog:`` block added."""
-    block = parse(CatalogBlock, raw, where)
+    block = raw if isinstance(raw, CatalogBlock) else parse(CatalogBlock, raw, where)
     return catalog.extend([g.core() for g in block.gpus], [m.core() for m in block.models])
 
 

@@ -28,6 +28,18 @@ from tailguard.errors import ConfigError
 B = TypeVar("B", bound="Block")
 
 
+class FieldError(ValueError):
+    """A validator's complaint that names the field to fix (``field``, under the
+    block it checks; None: the field validated) and, where the set is finite, the
+    values allowed."""
+
+    def __init__(self, field: str | None, message: str,
+                 allowed: list[str] | tuple[str, ...] | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.allowed = list(allowed) if allowed is not None else None
+
+
 class Block(BaseModel):
     """A configuration block (see the module docstring)."""
 
@@ -89,7 +101,20 @@ def block_for(cls: type[Any], *, bounds: Mapping[str, Mapping[str, Any]] | None 
     return model
 
 
+def retype(model: type[Block], **annotations: Any) -> None:
+    """Give ``model``'s fields typed :class:`Block` the type of the block they hold.
+
+    Blocks made by :func:`block_for` exist only at run time, so a class that
+    nests one declares the field as ``Block`` for the type checker and is
+    retyped here, for validation and the JSON Schema."""
+    for name, kind in annotations.items():
+        model.model_fields[name].annotation = kind
+    model.model_rebuild(force=True)
+
+
 _UnionType = type(int | None)
+_COMPARISONS = (("greater than or equal to ", ">= "), ("less than or equal to ", "<= "),
+                ("greater than ", "> "), ("less than ", "< "))
 _TYPE_TAGS = frozenset({"int", "str", "float", "bool", "list", "tuple", "dict", "none"})
 
 
@@ -108,6 +133,31 @@ def parse_core(model: type[Block], raw: Any, where: str, *, optional: bool = Fal
     if optional and raw is None:
         return None
     return parse(model, raw, where).core()
+
+
+def json_schema(model: type[Block]) -> dict[str, Any]:
+    """The JSON Schema of a file format whose top level is ``model``: what the block
+    validation accepts, ``x-`` keys and bare-value shorthands included."""
+    doc = model.model_json_schema()
+    shorthands = {cls.__name__: cls.SHORTHAND for cls in _subclasses(Block)
+                  if cls.SHORTHAND is not None}
+    for name, body in [("", doc), *doc.get("$defs", {}).items()]:
+        if body.get("additionalProperties") is False:
+            body["patternProperties"] = {"^x-": {}}
+        key = shorthands.get(name)
+        if key is not None:
+            bare = dict(body["properties"][key])
+            bare.pop("default", None)
+            whole = {k: body.pop(k) for k in list(body) if k not in ("title", "description")}
+            body["anyOf"] = [whole, bare]
+    return doc
+
+
+def _subclasses(cls: type[Block]) -> list[type[Block]]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.extend([sub, *_subclasses(sub)])
+    return out
 
 
 def _config_error(model: type[Block], exc: ValidationError, where: str) -> ConfigError:
@@ -134,11 +184,18 @@ def _config_error(model: type[Block], exc: ValidationError, where: str) -> Confi
         return ConfigError(path, "is required")
     message = str(err["msg"])
     if kind == "value_error":  # a validator's own words, whole
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, FieldError):
+            if cause.field:
+                path = f"{path}.{cause.field}" if path else cause.field
+            return ConfigError(path, str(cause), cause.allowed)
         return ConfigError(path, message.removeprefix("Value error, "))
     for prefix, said in (("Input should be ", "must be "), ("Input should ", "must ")):
         if message.startswith(prefix):
             message = said + message[len(prefix):]
     message = message[:1].lower() + message[1:]
+    for words, sign in _COMPARISONS:
+        message = message.replace(words, sign)
     if not isinstance(value, Mapping):
         if isinstance(value, float) and not math.isfinite(value):
             message = "must be finite"
@@ -162,4 +219,4 @@ def _model_at(model: type[Block], loc: tuple[Any, ...]) -> type[Block]:
     return model
 
 
-__all__ = ["Block", "block_for", "parse", "parse_core"]
+__all__ = ["Block", "FieldError", "block_for", "json_schema", "parse", "parse_core", "retype"]

@@ -6,7 +6,7 @@ stragglers on a fraction of the samples and quarantine on its own. Here a
 replica publishes a :meth:`Peers.report` of what it knows (a JSON-ready dict) and
 merges the others' with :meth:`Peers.merge`, a balancer input that is recorded and
 replayed like any other (``Balancer.on_peers``). How reports travel (Redis,
-``tailguard.gateway.shared_state``) is the driver's business; this module does
+``tailguard.adapters.shared_state``) is the driver's business; this module does
 no I/O and never waits.
 
 What is merged, per node:

@@ -18,7 +18,7 @@ from rich.table import Table
 from tailguard.emulator.fleet import EmulatedNode, load_emulated_nodes
 from tailguard.emulator.server import Emulator
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import LengthDist
+from tailguard.traffic.workload import LengthDist
 
 
 def _speed(text: str) -> float:
@@ -81,7 +81,7 @@ async def serve(nodes: list[EmulatedNode], speed: float, host: str, default_max_
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
-    from tailguard.bench.lengths import parse_length_arg
+    from tailguard.traffic.length_args import parse_length_arg
 
     if args.default_max_tokens < 1:
         raise ConfigError("--default-max-tokens", "must be >= 1")

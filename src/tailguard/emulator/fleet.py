@@ -1,7 +1,7 @@
 """Which engines to emulate: :class:`EmulatedNode`, built from the gateway's fleet file.
 
 One fleet file serves ``tailguard serve`` and ``tailguard emulate``, read by
-the same loader (:func:`tailguard.gateway.config.load_fleet`), so both accept
+the same loader (:func:`tailguard.config.fleet.load_fleet`), so both accept
 and reject the same files. The emulator takes every node whose ``url`` points
 at this machine (``127.0.0.1``, ``localhost``, ``::1``) and serves it on that
 URL's port; a local URL without a port gets the next free one of
@@ -30,22 +30,18 @@ The fleet's top-level ``emulator:`` mapping gives defaults for those keys.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
+from tailguard.config.faults import FaultSpec
+from tailguard.config.fleet import FleetConfig, NodeConfig, load_fleet
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
-from tailguard.emulator.faults import FaultSpec, parse_fault
 from tailguard.emulator.metrics import DIALECTS
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
-from tailguard.gateway.config import FleetConfig, NodeConfig, load_fleet
 
 DEFAULT_CATALOG_MODEL = "llama-3.1-8b"
-NODE_KEYS = ("speed", "catalog_model", "max_num_batched_tokens", "enable_chunked_prefill",
-             "kv_capacity_tokens", "block_size", "enable_prefix_caching")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,23 +80,6 @@ def is_local(host: str | None) -> bool:
         return False
 
 
-def _option(opts: Mapping[str, Any], defaults: Mapping[str, Any], key: str, where: str,
-            kind: type) -> Any:
-    if key in opts:
-        value, at = opts[key], f"{where}.emulator.{key}"
-    elif key in defaults:
-        value, at = defaults[key], f"emulator.{key}"
-    else:
-        return None
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-    if not ok:
-        raise ConfigError(at, f"must be {'a number > 0' if kind is float else kind.__name__}, "
-                              f"got {value!r}")
-    return float(value) if kind is float else value
-
-
 def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
                   port: int = 0) -> EmulatedNode:
     """The emulation of one fleet node (any URL; the caller picks the local ones)."""
@@ -108,12 +87,8 @@ def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
         raise ConfigError(f"{where}.stages" if len({s.gpu for s in n.layout.stages}) > 1
                           else f"{where}.pp", "the emulator does not emulate pipeline-parallel "
                           "replicas yet (tailguard sim does; the gateway routes to real ones)")
-    defaults: Mapping[str, Any] = fleet.emulator if fleet is not None else {}
-    opts = n.emulator
-    for key in opts:
-        if key not in NODE_KEYS:
-            raise ConfigError(f"{where}.emulator.{key}", "unknown key", list(NODE_KEYS))
-    catalog_model = _option(opts, defaults, "catalog_model", where, str)
+    opts = n.emulator.over(fleet.emulator) if fleet is not None else n.emulator
+    catalog_model = opts.catalog_model
     if catalog_model is None and fleet is not None:
         catalog_model = next((fleet.pool(m).catalog_model for m in n.models
                               if fleet.pool(m).catalog_model), None)
@@ -121,26 +96,22 @@ def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
     if dialect not in DIALECTS:
         raise ConfigError(f"{where}.engine", f"no emulation for {dialect!r}", list(DIALECTS))
     base = EngineConfig()
-    batched = _option(opts, defaults, "max_num_batched_tokens", where, int)
+    batched = opts.max_num_batched_tokens
     try:
         cfg = EngineConfig(
             max_num_seqs=n.max_num_seqs,
             max_num_batched_tokens=batched if batched is not None
             else max(base.max_num_batched_tokens, n.max_num_seqs),
-            enable_chunked_prefill=bool(_option(opts, defaults, "enable_chunked_prefill", where,
-                                                bool) is not False),
-            kv_capacity_tokens=_option(opts, defaults, "kv_capacity_tokens", where, int),
-            block_size=_option(opts, defaults, "block_size", where, int) or base.block_size,
-            enable_prefix_caching=_option(opts, defaults, "enable_prefix_caching", where,
-                                          bool) is not False,
+            enable_chunked_prefill=opts.enable_chunked_prefill is not False,
+            kv_capacity_tokens=opts.kv_capacity_tokens,
+            block_size=opts.block_size or base.block_size,
+            enable_prefix_caching=opts.enable_prefix_caching is not False,
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}.emulator.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
-    faults = tuple(parse_fault(f, f"{where}.faults[{j}]") for j, f in enumerate(n.faults))
     node = EmulatedNode(id=n.id, gpu=n.gpu, models=n.models, port=port, tp=n.tp,
                         catalog_model=catalog_model, dialect=dialect, engine=cfg,
-                        speed=_option(opts, defaults, "speed", where, float) or 1.0,
-                        faults=faults)
+                        speed=opts.speed or 1.0, faults=n.faults)
     if DEFAULT_CATALOG.find_gpu(n.gpu) is None:
         raise ConfigError(f"{where}.gpu", f"the emulator needs a catalog GPU, got {n.gpu!r}",
                           [g.name for g in DEFAULT_CATALOG.gpus])

@@ -69,7 +69,7 @@ from tailguard.emulator.protocol import (
     usage as protocol_usage,
 )
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import LengthDist
+from tailguard.traffic.workload import LengthDist
 
 JSON = "application/json"
 

@@ -27,9 +27,9 @@ def _objectives(pairs: list[str]) -> dict[str, int]:
 def cmd_epp(args: argparse.Namespace) -> int:
     import asyncio
 
+    from tailguard.adapters.logs import configure_logging
+    from tailguard.config.fleet import load_fleet, parse_listen
     from tailguard.epp.server import serve_epp
-    from tailguard.gateway.config import load_fleet, parse_listen
-    from tailguard.gateway.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     config = load_fleet(args.config)
@@ -37,10 +37,10 @@ def cmd_epp(args: argparse.Namespace) -> int:
     if args.listen:
         http_host, http_port = parse_listen(args.listen, "--listen")
     objectives = _objectives(args.objective or [])
-    from tailguard.gateway.server import _loop_factory
+    from tailguard.adapters.runtime import loop_factory as uvloop_factory
 
     # TAILGUARD_EPP_UVLOOP=0: asyncio's own loop (gRPC's asyncio support is tested on it).
-    loop_factory = _loop_factory if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0" else None
+    loop_factory = uvloop_factory if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0" else None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
                              http_host, http_port, objectives))
@@ -48,8 +48,8 @@ def cmd_epp(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from tailguard.config.fleet import load_fleet
     from tailguard.epp.envoy_config import envoy_yaml
-    from tailguard.gateway.config import load_fleet
 
     config = load_fleet(args.config)
     sys.stdout.write(envoy_yaml(config, port=args.port, admin_port=args.admin_port,

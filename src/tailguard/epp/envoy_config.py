@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from tailguard.gateway.config import FleetConfig
+from tailguard.config.fleet import FleetConfig
 
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"

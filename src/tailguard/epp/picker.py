@@ -33,7 +33,7 @@ same :class:`~tailguard.core.exchange.Exchange` as ``tailguard serve``:
   answered) is replaced by an OpenAI-style error;
 * **response body** (``STREAMED``: each chunk answered at once, unchanged):
   the first chunk is the first token, the end of the stream the finish,
-  counted as the proxy counts it (:class:`~tailguard.gateway.sse.SseCounter`:
+  counted as the proxy counts it (:class:`~tailguard.adapters.sse.SseCounter`:
   events and the usage chunk, never a chunk's JSON parsed).
 
 Two shapes of Envoy configuration work (``tailguard envoy-config``):
@@ -70,6 +70,9 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
+from tailguard.adapters.admission_gate import AdmissionGate
+from tailguard.adapters.live_fleet import LiveFleet
+from tailguard.adapters.metrics import GatewayMetrics
 from tailguard.core.exchange import Exchange
 from tailguard.epp.protocol import (
     DESTINATION,
@@ -80,9 +83,6 @@ from tailguard.epp.protocol import (
     routing,
 )
 from tailguard.epp.request import PickedRequest
-from tailguard.gateway.admission_gate import AdmissionGate
-from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.metrics import GatewayMetrics
 
 ROUTING_CACHE = 4096  # distinct endpoint lists kept (a fleet's churn empties it)
 

@@ -8,7 +8,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_body
+from tailguard.adapters.api_errors import NO_NODE, NODE_HEADER, error_body
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"

@@ -16,6 +16,20 @@ from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from tailguard.adapters.admission_gate import TTFT_HEADER, shed_error, ttft_budget
+from tailguard.adapters.logs import CLIENT_CLOSED
+from tailguard.adapters.metrics import INVALID_POOL, UNKNOWN_POOL
+from tailguard.adapters.openai_request import (
+    PATHS,
+    PRIORITY_HEADER,
+    SESSION_HEADER,
+    InvalidRequest,
+    bearer_ok,
+    parse_request,
+    priority_of,
+    session_key,
+)
+from tailguard.adapters.sse import SseCounter
 from tailguard.core.exchange import (
     NO_CAPACITY,
     Action,
@@ -41,18 +55,6 @@ from tailguard.epp.protocol import (
     read_headers,
 )
 from tailguard.epp.response import ResponseSide
-from tailguard.gateway.admission_gate import TTFT_HEADER, shed_error, ttft_budget
-from tailguard.gateway.logs import CLIENT_CLOSED
-from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL
-from tailguard.gateway.openai_request import (
-    PATHS,
-    SESSION_HEADER,
-    InvalidRequest,
-    parse_request,
-    session_key,
-)
-from tailguard.gateway.proxy import PRIORITY_HEADER, bearer_ok, priority_of
-from tailguard.gateway.sse import SseCounter
 
 if TYPE_CHECKING:
     from tailguard.epp.picker import EndpointPicker

@@ -3,7 +3,7 @@
 The served endpoint says whether the data plane fell back down the list (each
 endpoint passed over is :meth:`Exchange.redirected` to the next); a 5xx or 429
 is the exchange's final ``failed``; the body's first chunk is the first token
-and its end the finish, counted by :class:`~tailguard.gateway.sse.SseCounter`.
+and its end the finish, counted by :class:`~tailguard.adapters.sse.SseCounter`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from tailguard.adapters.api_errors import NODE_HEADER
+from tailguard.adapters.sse import SseCounter, usage_completion_tokens
 from tailguard.core.exchange import Copy, Dispatch, Exchange, Failure
 from tailguard.core.fleet import Outcome
 from tailguard.epp.protocol import (
@@ -25,8 +27,6 @@ from tailguard.epp.protocol import (
     metadata,
     read_headers,
 )
-from tailguard.gateway.api_errors import NODE_HEADER
-from tailguard.gateway.sse import SseCounter, usage_completion_tokens
 
 if TYPE_CHECKING:
     from tailguard.epp.picker import EndpointPicker

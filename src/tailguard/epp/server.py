@@ -1,6 +1,6 @@
 """``tailguard epp``: the endpoint picker as a process.
 
-Three listeners share one fleet (one :class:`~tailguard.gateway.live_fleet.LiveFleet`,
+Three listeners share one fleet (one :class:`~tailguard.adapters.live_fleet.LiveFleet`,
 one balancer):
 
 * the ext_proc gRPC service (``--grpc-port``, GIE's default 9002), which
@@ -31,10 +31,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from tailguard.adapters.runtime import start_gc_tuning
+from tailguard.config.fleet import FleetConfig
 from tailguard.epp.picker import SERVICE, EndpointPicker
 from tailguard.gateway.app import PROXY, RunningGateway, start_gateway
-from tailguard.gateway.config import FleetConfig
-from tailguard.gateway.server import start_gc_tuning
 
 log = logging.getLogger("tailguard.epp")
 

@@ -17,7 +17,7 @@ Off unless ``admin.token_env`` names an environment variable holding a token
   (the outlier detector leaves a cordoned node alone) and back (409 unless
   cordoned).
 * ``GET /admin/events[?since=SEQ]``: the recent core events (state changes,
-  detections) and remediation results (:mod:`tailguard.gateway.event_log`).
+  detections) and remediation results (:mod:`tailguard.adapters.event_log`).
 
 Registered nodes live until removed or restart; a reload of the fleet file
 leaves them alone.
@@ -33,12 +33,12 @@ from typing import Any
 
 from aiohttp import web
 
+from tailguard.adapters.api_errors import error_response
+from tailguard.adapters.live_fleet import LiveFleet
+from tailguard.config.fleet import parse_node
 from tailguard.core.fleet import NodeState
 from tailguard.core.snapshot import NodeSnapshot
 from tailguard.errors import ConfigError
-from tailguard.gateway.api_errors import error_response
-from tailguard.gateway.config import parse_node
-from tailguard.gateway.live_fleet import LiveFleet
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

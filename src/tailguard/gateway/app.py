@@ -1,6 +1,6 @@
 """The gateway application: routes, background work, and how to run it.
 
-:func:`build_app` wires one :class:`~tailguard.gateway.live_fleet.LiveFleet`
+:func:`build_app` wires one :class:`~tailguard.adapters.live_fleet.LiveFleet`
 (the balancer and the fleet's state), the :class:`~tailguard.gateway.proxy.Proxy`
 (the ``/v1`` request path), the :class:`~tailguard.gateway.admin.AdminApi`,
 the Prometheus registry and the fleet-file reloader into an
@@ -9,7 +9,7 @@ the Prometheus registry and the fleet-file reloader into an
 balancer decides how much each node gets) and starts the monitors and the
 balancer's tick; its cleanup stops them after in-flight requests ended.
 The request path itself uses the lean keep-alive client of
-:mod:`~tailguard.gateway.upstream` (a quarter of aiohttp's CPU per request);
+:mod:`~tailguard.adapters.upstream` (a quarter of aiohttp's CPU per request);
 health checks, scrapes and webhooks use the aiohttp session.
 
 :func:`run_gateway` runs it on a socket for tests, demos and benchmarks::
@@ -37,23 +37,23 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tailguard.adapters.api_errors import error_response
+from tailguard.adapters.discovery import KubernetesDiscovery
+from tailguard.adapters.live_fleet import LiveFleet
+from tailguard.adapters.logs import add_request_id_header, request_log
+from tailguard.adapters.metrics import GatewayMetrics
+from tailguard.adapters.remediation import Remediator
+from tailguard.adapters.upstream import UpstreamClient
+from tailguard.config.fleet import FleetConfig
 from tailguard.gateway.admin import AdminApi
-from tailguard.gateway.api_errors import error_response
-from tailguard.gateway.config import FleetConfig
 from tailguard.gateway.connections import ClientConnections, GuardedRunner
 from tailguard.gateway.dashboard import Dashboard, setup_dashboard
-from tailguard.gateway.discovery import KubernetesDiscovery
 from tailguard.gateway.gpu_metrics import GpuCollector
-from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.logs import add_request_id_header, request_log
-from tailguard.gateway.metrics import GatewayMetrics
 from tailguard.gateway.outlier_metrics import OutlierCollector
 from tailguard.gateway.proxy import Proxy, authorized
 from tailguard.gateway.recording import DecisionFile
 from tailguard.gateway.reload import ConfigReloader
-from tailguard.gateway.upstream import UpstreamClient
 from tailguard.gateway.upstream_metrics import UpstreamCollector
-from tailguard.remediation import Remediator
 
 log = logging.getLogger("tailguard.gateway")
 

@@ -12,8 +12,8 @@ import os
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tailguard.gateway.config import load_fleet, parse_listen
-    from tailguard.gateway.logs import configure_logging
+    from tailguard.adapters.logs import configure_logging
+    from tailguard.config.fleet import load_fleet, parse_listen
     from tailguard.gateway.server import serve
 
     configure_logging(args.log_level, args.log_format)

@@ -43,8 +43,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from tailguard.gateway.api_errors import error_body
-from tailguard.gateway.config import ClientSettings
+from tailguard.adapters.api_errors import error_body
+from tailguard.config.fleet import ClientSettings
 
 log = logging.getLogger("tailguard.gateway.connections")
 

@@ -40,9 +40,9 @@ from typing import Any
 
 from aiohttp import web
 
+from tailguard.adapters.live_fleet import LiveFleet
 from tailguard.core.events import Event
 from tailguard.core.snapshot import FleetSnapshot, NodeSnapshot
-from tailguard.gateway.live_fleet import LiveFleet
 
 WATCH_INTERVAL_S = 0.25
 MAX_EVENTS = 500

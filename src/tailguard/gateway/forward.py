@@ -14,13 +14,13 @@ module maps its actions onto asyncio and HTTP:
   ``exchange.timer``; :class:`~tailguard.core.exchange.Cancel`: cancel the
   copy's task and close its connection.
 * :class:`~tailguard.core.exchange.Queue`: wait on a future that the pump of
-  :mod:`~tailguard.gateway.admission_gate` resolves with the exchange's next
+  :mod:`~tailguard.adapters.admission_gate` resolves with the exchange's next
   actions.
 * :class:`~tailguard.core.exchange.Refuse` and
   :class:`~tailguard.core.exchange.Fail`: the error answer.
 
 A committed stream is relayed byte for byte (:meth:`Forwarder._stream`): per
-chunk it counts ``data:`` events (:class:`~tailguard.gateway.sse.SseCounter`),
+chunk it counts ``data:`` events (:class:`~tailguard.adapters.sse.SseCounter`),
 notes the gap since the previous one and pushes the idle deadline; it never
 parses a chunk's JSON. A client that goes away (the handler is cancelled)
 becomes ``client_gone``, which releases every copy's permit.
@@ -39,6 +39,20 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from tailguard.adapters.admission_gate import AdmissionGate, shed_response, ttft_header
+from tailguard.adapters.api_errors import NO_NODE, NODE_HEADER, error_response, sse_error_event
+from tailguard.adapters.live_fleet import LiveFleet
+from tailguard.adapters.logs import CLIENT_CLOSED, note
+from tailguard.adapters.metrics import GatewayMetrics
+from tailguard.adapters.openai_request import PATHS, SESSION_HEADER, RoutedRequest, session_key
+from tailguard.adapters.sse import SseCounter, usage_completion_tokens
+from tailguard.adapters.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+)
+from tailguard.config.fleet import NodeConfig, PoolSettings
 from tailguard.core.exchange import (
     NO_CAPACITY,
     RETRY_AFTER_S,
@@ -55,22 +69,8 @@ from tailguard.core.exchange import (
     Request,
 )
 from tailguard.core.fleet import Outcome
-from tailguard.gateway.admission_gate import AdmissionGate, shed_response, ttft_header
-from tailguard.gateway.api_errors import NO_NODE, NODE_HEADER, error_response, sse_error_event
-from tailguard.gateway.config import NodeConfig, PoolSettings
 from tailguard.gateway.idle import IdleTimeout
-from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.logs import CLIENT_CLOSED, note
-from tailguard.gateway.metrics import GatewayMetrics
-from tailguard.gateway.openai_request import PATHS, SESSION_HEADER, RoutedRequest, session_key
 from tailguard.gateway.race import Answer, Race, cancel_losers
-from tailguard.gateway.sse import SseCounter, usage_completion_tokens
-from tailguard.gateway.upstream import (
-    UpstreamClient,
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamResponse,
-)
 
 _RESPONSE_SKIP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

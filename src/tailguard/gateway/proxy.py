@@ -4,13 +4,13 @@ For ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``:
 
 1. **Admit**: API key (when configured), body size (413 over
    ``max_body_bytes``), JSON and the fields routing needs (400, see
-   :mod:`~tailguard.gateway.openai_request`), a served model (404).
+   :mod:`~tailguard.adapters.openai_request`), a served model (404).
 2. **Exchange**: the core's :class:`~tailguard.core.exchange.Exchange` runs
    the request's lifecycle (admission and the queue, the node, retries, the
    hedge, every permit released once); :mod:`~tailguard.gateway.forward`
    carries out its actions: the client's bytes go unchanged, with its
    headers minus the hop-by-hop ones, on a keep-alive connection to the node
-   (:mod:`~tailguard.gateway.upstream`).
+   (:mod:`~tailguard.adapters.upstream`).
 3. **Fail over** while nothing has reached the client yet: a connect error,
    a timeout, a 5xx or a 429 is retried on a node not tried yet, within
    ``retries.attempts`` and the pool's retry budget. A streamed answer is
@@ -36,7 +36,6 @@ from them.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import zlib
 
@@ -44,21 +43,24 @@ from aiohttp import web
 from aiohttp.http_exceptions import PayloadEncodingError
 from multidict import CIMultiDict
 
-from tailguard.gateway.admission_gate import AdmissionGate
-from tailguard.gateway.api_errors import error_response
-from tailguard.gateway.forward import Call, Forwarder, count_answer
-from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.logs import CLIENT_CLOSED, REQUEST_ID_HEADER, note, request_id
-from tailguard.gateway.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
-from tailguard.gateway.openai_request import (
+from tailguard.adapters.admission_gate import AdmissionGate
+from tailguard.adapters.api_errors import error_response
+from tailguard.adapters.live_fleet import LiveFleet
+from tailguard.adapters.logs import CLIENT_CLOSED, REQUEST_ID_HEADER, note, request_id
+from tailguard.adapters.metrics import INVALID_POOL, UNKNOWN_POOL, GatewayMetrics
+from tailguard.adapters.openai_request import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    PRIORITY_HEADER,
     InvalidRequest,
     RoutedRequest,
+    bearer_ok,
     parse_request,
+    priority_of,
 )
-from tailguard.gateway.upstream import UpstreamClient
+from tailguard.adapters.upstream import UpstreamClient
+from tailguard.gateway.forward import Call, Forwarder, count_answer
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus those
 # the client library sets itself. Accept-Encoding is replaced by "identity":
@@ -73,9 +75,6 @@ _REQUEST_SKIP = frozenset({
 })
 # What aiohttp's server inflates; anything else is refused with 415.
 _BODY_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
-PRIORITY_HEADER = "x-tailguard-priority"
-
-
 class Proxy:
     """The ``/v1`` POST handlers of one gateway."""
 
@@ -208,17 +207,6 @@ def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
     return bearer_ok(request.headers.get("Authorization", ""), keys)
 
 
-def bearer_ok(header: str, keys: tuple[str, ...]) -> bool:
-    """An ``Authorization`` value ``Bearer <key>`` with one of ``keys`` (constant time)."""
-    if not header.startswith("Bearer "):
-        return False
-    given = header[7:].strip().encode()
-    ok = False
-    for k in keys:  # no early exit: the time taken does not reveal which key matched
-        ok |= hmac.compare_digest(given, k.encode())
-    return ok
-
-
 async def _read_limited(request: web.Request, limit: int) -> bytes | None:
     """A body without Content-Length (chunked), or None once it exceeds ``limit``."""
     parts: list[bytes] = []
@@ -235,11 +223,4 @@ def _priority(request: web.Request) -> int:
     return priority_of(request.headers.get(PRIORITY_HEADER))
 
 
-def priority_of(raw: str | None) -> int:
-    """An ``x-tailguard-priority`` value: 0 (``high``), 2 (``low``), else 1."""
-    if raw is None:
-        return 1
-    return {"0": 0, "high": 0, "2": 2, "low": 2}.get(raw.strip().lower(), 1)
-
-
-__all__ = ["PRIORITY_HEADER", "Proxy", "authorized", "bearer_ok", "priority_of"]
+__all__ = ["Proxy", "authorized"]

@@ -12,8 +12,8 @@ import asyncio
 import time
 from collections.abc import Coroutine
 
+from tailguard.adapters.upstream import UpstreamResponse
 from tailguard.core.exchange import Action, Cancel, Copy, Failure
-from tailguard.gateway.upstream import UpstreamResponse
 
 Answer = tuple[UpstreamResponse, bytes]  # a response with its first chunk (or whole body)
 

@@ -6,7 +6,7 @@ on every filesystem and in containers where inotify does not reach mounted
 ConfigMaps. A new file is parsed completely before anything changes: a file
 with an error is logged and counted (``tailguard_config_reloads_total{result="error"}``)
 and the running fleet stays as it was. A good one is applied by
-:meth:`tailguard.gateway.live_fleet.LiveFleet.apply`, which keeps every
+:meth:`tailguard.adapters.live_fleet.LiveFleet.apply`, which keeps every
 in-flight request on its node.
 """
 
@@ -18,10 +18,10 @@ import logging
 import os
 from pathlib import Path
 
+from tailguard.adapters.live_fleet import LiveFleet, ReloadSummary
+from tailguard.adapters.metrics import GatewayMetrics
+from tailguard.config.fleet import load_fleet
 from tailguard.errors import ConfigError
-from tailguard.gateway.config import load_fleet
-from tailguard.gateway.live_fleet import LiveFleet, ReloadSummary
-from tailguard.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("tailguard.gateway.reload")
 

@@ -13,7 +13,6 @@ one that adds 3). Signals:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -22,20 +21,12 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from tailguard.adapters.runtime import loop_factory, start_gc_tuning
+from tailguard.config.fleet import FleetConfig
 from tailguard.gateway.app import start_gateway
-from tailguard.gateway.config import FleetConfig
 from tailguard.gateway.connections import default_max_connections, raise_fd_limit
 
 log = logging.getLogger("tailguard.gateway")
-
-
-def _loop_factory() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # uvloop has no Windows build
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 async def serve_forever(config: FleetConfig, host: str | None = None, port: int | None = None,
@@ -74,35 +65,6 @@ async def serve_forever(config: FleetConfig, host: str | None = None, port: int 
             collector.cancel()
 
 
-GC_FULL_EVERY_S = 10.0
-
-
-def start_gc_tuning() -> asyncio.Task[None] | None:
-    """:func:`tune_gc` and the periodic full collection (cancel the task at exit);
-    ``TAILGUARD_GC_TUNING=0`` leaves CPython's defaults (for diagnosis)."""
-    if os.environ.get("TAILGUARD_GC_TUNING", "1") == "0":
-        return None
-    tune_gc()
-    return asyncio.create_task(_collect_periodically(), name="gc")
-
-
-async def _collect_periodically(every_s: float = GC_FULL_EVERY_S) -> None:
-    """A full collection every ``every_s``, off the request path's allocation count.
-
-    With the young generation collected rarely (``tune_gc``), reference cycles
-    that survive it (a cancelled request's exception, traceback and frames)
-    waited for CPython's rare full collections: a 15 req/s soak grew 207 KiB/min
-    against 54 with the default thresholds. Objects frozen at startup are
-    skipped, so one pass over what the requests left is short.
-    """
-    while True:
-        await asyncio.sleep(every_s)
-        t0 = time.perf_counter()
-        found = gc.collect()
-        log.debug("gc: %d unreachable objects collected in %.1f ms", found,
-                  (time.perf_counter() - t0) * 1000)
-
-
 def _tracemalloc_snapshot(folder: Path) -> None:
     """SIGUSR1 with ``TAILGUARD_TRACEMALLOC_DIR`` set: write a tracemalloc snapshot there.
 
@@ -117,28 +79,8 @@ def _tracemalloc_snapshot(folder: Path) -> None:
     log.info("tracemalloc snapshot written to %s", path)
 
 
-def tune_gc() -> None:
-    """Fewer, cheaper garbage collections on the request path.
-
-    Each proxied request allocates many short-lived objects, so with CPython's
-    default threshold (700 allocations) young collections ran every few
-    requests: 8.6% of the gateway's samples under wrk (py-spy --native). Objects
-    alive after startup (modules, config, the fleet) are frozen out of the
-    collector's scans, and the youngest generation is collected less often.
-    Reference cycles are still collected; memory grows by at most one threshold
-    of young objects.
-    """
-    gc.collect()
-    gc.freeze()
-    gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
-
-
-GC_GEN0_THRESHOLD = 50_000
-
-
 def serve(config: FleetConfig, host: str | None = None, port: int | None = None,
           access_log: bool = False, record: str | None = None) -> int:
-    with asyncio.Runner(loop_factory=_loop_factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve_forever(config, host, port, access_log, record))
     return 0

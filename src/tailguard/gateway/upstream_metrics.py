@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from tailguard.gateway.live_fleet import LiveFleet
+    from tailguard.adapters.live_fleet import LiveFleet
     from tailguard.gateway.proxy import Proxy
 
 

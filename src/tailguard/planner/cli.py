@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tailguard.gateway.config import load_fleet
+    from tailguard.config.fleet import load_fleet
 
     for name in ("slo_tpot", "slo_ttft", "input_tokens", "output_tokens"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tailguard.config_file import check_keys, integer, number, require_mapping
+from tailguard.config.files import check_keys, integer, number, require_mapping
 from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, GPU, Catalog
 from tailguard.errors import ConfigError
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from tailguard.config_file import read_yaml
+from tailguard.config.files import read_yaml
 from tailguard.core.hardware import DEFAULT_CATALOG, GPU
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError

@@ -22,7 +22,7 @@ from tailguard.planner.inventory import Inventory
 from tailguard.sim.capacity import fleet_capacity
 from tailguard.sim.run import find_goodput, make_requests, run_policy
 from tailguard.sim.scenario import FleetGroup, PolicyChoice, Scenario
-from tailguard.sim.workload import parse_workload
+from tailguard.traffic.workload import parse_workload
 
 POLICY = PolicyChoice("tailguard")
 

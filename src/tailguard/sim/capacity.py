@@ -50,7 +50,7 @@ from tailguard.engine import EngineConfig
 from tailguard.sim.cluster import run_cluster
 from tailguard.sim.results import attainment
 from tailguard.sim.scenario import NodePlan, Scenario, parse_scenario
-from tailguard.sim.workload import sample_lengths
+from tailguard.traffic.workload import sample_lengths
 
 PROBE_REQUESTS = 1500
 # A node's SLO capacity (the capacity bound that ``load:`` is a share of) is

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailguard import engine as eng
+from tailguard.config.faults import FaultSpec
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.balancer import Balancer, Event, PoolConfig
 from tailguard.core.events import remedy
@@ -56,7 +57,7 @@ from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
 from tailguard.sim.nodes import HEALTH_INTERVAL_S, SimNode, apply_fault, health_check
-from tailguard.sim.scenario import Fault, NodePlan
+from tailguard.sim.scenario import NodePlan
 from tailguard.sim.streams import StreamReports
 
 # Event kinds; the heap holds (time, seq, kind, a, b), a and b as noted.
@@ -130,7 +131,7 @@ def run_cluster(
     slo: Slo,
     seed: int,
     network_rtt_s: float = 0.0,
-    faults: Sequence[Fault] = (),
+    faults: Sequence[FaultSpec] = (),
     horizon_s: float = math.inf,
     tick_s: float = 1.0,
     step_by_step: bool = False,
@@ -175,7 +176,7 @@ class ClusterSim:
 
     def __init__(self, balancer: Balancer, plans: Sequence[NodePlan], model: str,
                  arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int], *,
-                 seed: int, network_rtt_s: float, faults: Sequence[Fault], step_by_step: bool,
+                 seed: int, network_rtt_s: float, faults: Sequence[FaultSpec], step_by_step: bool,
                  limited: bool, priorities: Sequence[int] | None,
                  exchange_type: type[Exchange],
                  gpu_telemetry: bool = False, blocks: Sequence[tuple[int, ...]] | None = None,
@@ -327,7 +328,7 @@ class ClusterSim:
     def _schedule_faults(self, horizon_s: float) -> None:
         for fi, f in enumerate(self.faults):
             self.push(f.at_s, FAULT, fi)
-            if f.kind == "stall":
+            if f.kind == "stall" and f.period_s is not None:
                 end = f.at_s + (f.duration_s if f.duration_s is not None else horizon_s)
                 t, k = f.at_s + f.period_s, 1
                 while t < end and t < horizon_s:
@@ -437,6 +438,7 @@ class ClusterSim:
 
     def _fault(self, fi: int, ending: bool, now: float) -> None:
         f = self.faults[fi]
+        assert f.node is not None, "a scenario's fault names its node"
         ns = self.nodes[self.by_id[f.node]]
         apply_fault(f, ending, ns, now, self._crashed, self._deliver)
         self._reschedule(ns)

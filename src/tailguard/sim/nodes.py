@@ -11,10 +11,11 @@ on a node; what a fault does:
                   takes 1/factor longer while the host's overhead and the links'
                   transfers do not (PerfModel.slowed); throttles of the whole
                   replica multiply with it
-``stall``         the engine pauses for ``pause_s`` (repeated every ``period_s``)
+``stall``         the engine pauses for ``seconds`` (repeated every ``period_s``
+                  when given)
 ``crash``         every request held fails, new ones fail to connect, until it ends
-``error_rate``    that share of requests is answered with a 5xx at once
-``slow_network``  ``delay_s`` more each way between the gateway and the node
+``errors``        that share of requests is answered with a 5xx at once
+``network``       ``delay_s`` more each way between the gateway and the node
 
 :func:`health_check` is the gateway's active health probing, which takes a
 crashed node out of rotation as the live gateway's monitor does.
@@ -25,10 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from tailguard.config.faults import FaultSpec
 from tailguard.core.balancer import Balancer
 from tailguard.core.hardware import PerfModel
 from tailguard.engine import FAILED, Engine
-from tailguard.sim.scenario import Fault, NodePlan
+from tailguard.sim.scenario import NodePlan
 
 # The gateway's active health checks: a probe every HEALTH_INTERVAL_S, judged by
 # the core's probe rule (core/probes.py, the gateway's defaults).
@@ -50,7 +52,7 @@ class SimNode:
         self.scheduled = math.inf
         self.crashed = False
         self.error_rate = 0.0
-        self.delay = 0.0  # extra one-way network delay (slow_network fault)
+        self.delay = 0.0  # extra one-way network delay (network fault)
         self.throttle = 1.0  # the whole replica's throttle factor
         self.ranks: dict[int, float] = {}  # GPU index -> its throttle factor
 
@@ -92,7 +94,7 @@ Failed = Callable[[int, float], None]
 Deliver = Callable[[float, int, int], None]
 
 
-def apply_fault(f: Fault, ending: bool, ns: SimNode, now: float, failed: Failed,
+def apply_fault(f: FaultSpec, ending: bool, ns: SimNode, now: float, failed: Failed,
                 deliver: Deliver) -> None:
     """Start (or, ``ending``, end) fault ``f`` on node ``ns`` at ``now``."""
     eng = ns.engine
@@ -108,7 +110,7 @@ def apply_fault(f: Fault, ending: bool, ns: SimNode, now: float, failed: Failed,
         eng.set_perf(ns.perf, now)
     elif f.kind == "stall":
         if not ending:
-            eng.stall(f.pause_s, now)
+            eng.stall(f.seconds, now)
     elif f.kind == "crash":
         if ending:
             ns.crashed = False
@@ -121,7 +123,7 @@ def apply_fault(f: Fault, ending: bool, ns: SimNode, now: float, failed: Failed,
                     failed(eid, t_ev)
                 else:
                     deliver(t_ev, kind, eid)
-    elif f.kind == "error_rate":
+    elif f.kind == "errors":
         ns.error_rate = 0.0 if ending else f.rate
-    elif f.kind == "slow_network":
+    elif f.kind == "network":
         ns.delay = 0.0 if ending else f.delay_s

@@ -19,7 +19,7 @@ from tailguard.sim.cluster import RunRecord, run_cluster
 from tailguard.sim.results import compute_result
 from tailguard.sim.scenario import PolicyChoice, Scenario
 from tailguard.sim.stragglers import outlier_report
-from tailguard.sim.workload import Requests, generate
+from tailguard.traffic.workload import Requests, generate
 
 Progress = Callable[[str, float, float], None]  # (label, sim time, horizon)
 

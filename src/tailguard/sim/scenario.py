@@ -26,15 +26,20 @@ name (``A100-80GB-PP2#0``, ``H100-SXM+A100-80GB#0``: core/pipeline.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from tailguard.config import parse_core
-from tailguard.config.catalog import extend_catalog
+from pydantic import Field, field_validator
+
+from tailguard.config import Block, block_for, parse
+from tailguard.config.catalog import CatalogBlock, extend_catalog
+from tailguard.config.core_options import ReplicaShape, SloBlock
+from tailguard.config.faults import FaultBlock, FaultSpec
+from tailguard.config.files import read_yaml
 from tailguard.config.options import AdmissionBlock, HedgingBlock, LimitsBlock, OutliersBlock
-from tailguard.config_file import check_keys, integer, number, read_yaml, require_mapping
+from tailguard.config.parse import retype
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
@@ -42,12 +47,9 @@ from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, PipelinePerf
 from tailguard.core.policies import Slo, policy_names
-from tailguard.core_options import PIPELINE_KEYS, parse_layout, parse_slo
 from tailguard.engine import EngineConfig
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import WorkloadSpec, parse_workload
-
-FAULT_KINDS = ("throttle", "stall", "crash", "error_rate", "slow_network")
+from tailguard.traffic.workload import WorkloadSpec, parse_workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,22 +85,6 @@ class NodePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class Fault:
-    node: str
-    kind: str
-    at_s: float
-    duration_s: float | None = None
-    factor: float = 1.0  # throttle: speed factor
-    rate: float = 0.0  # error_rate: share of requests failed
-    period_s: float = 10.0  # stall: a pause every period
-    pause_s: float = 1.0  # stall: length of each pause
-    delay_s: float = 0.0  # slow_network: one-way delay added
-    # throttle: one GPU of a TP replica (None: the whole replica). The replica
-    # steps at its slowest rank's pace, so one rank at ``factor`` slows it all.
-    gpu_index: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class PolicyChoice:
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -120,7 +106,7 @@ class Scenario:
     network_rtt_s: float
     fleet: tuple[FleetGroup, ...]
     workload: WorkloadSpec
-    faults: tuple[Fault, ...]
+    faults: tuple[FaultSpec, ...]  # each names its node
     policies: tuple[PolicyChoice, ...]
     catalog: Catalog = DEFAULT_CATALOG
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # straggler detection
@@ -151,179 +137,144 @@ class Scenario:
         return out
 
 
-def parse_engine(raw: Any, where: str) -> EngineConfig:
-    if raw is None:
-        return EngineConfig()
-    m = require_mapping(raw, where)
-    check_keys(m, ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                    "kv_capacity_tokens", "block_size", "enable_prefix_caching"), where)
-    base = EngineConfig()
-    flags = {}
-    for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
-        flags[flag] = m.get(flag, getattr(base, flag))
-        if not isinstance(flags[flag], bool):
-            raise ConfigError(f"{where}.{flag}", "must be true or false")
-    chunked = flags["enable_chunked_prefill"]
-    kv = m.get("kv_capacity_tokens")
-    return EngineConfig(
-        max_num_seqs=integer(m, "max_num_seqs", where, base.max_num_seqs),
-        max_num_batched_tokens=integer(m, "max_num_batched_tokens", where,
-                                       base.max_num_batched_tokens),
-        enable_chunked_prefill=chunked,
-        kv_capacity_tokens=integer(m, "kv_capacity_tokens", where) if kv is not None else None,
-        block_size=integer(m, "block_size", where, base.block_size),
-        enable_prefix_caching=flags["enable_prefix_caching"],
-    )
+EngineBlock = block_for(EngineConfig)
+
+
+class FleetEntry(ReplicaShape):
+    """One ``fleet:`` entry: ``count`` replicas of one shape."""
+
+    count: int = Field(default=1, ge=1)
+    engine: Block = Field(default_factory=EngineBlock)
+    speed_spread: float = Field(default=0.0, ge=0.0, lt=1.0)  # 0.1: speeds +-10%
+
+    def group(self, where: str, catalog: Catalog, model: Model) -> FleetGroup:
+        layout = self.layout(catalog, where)
+        if layout is not None:
+            name, tp = layout.name, layout.stages[0].tp
+        else:
+            name, tp = self.gpu_of(catalog, where).name, self.tp
+        try:
+            engine = self.engine.core()
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.engine.{exc.field}", exc.message) from None
+        group = FleetGroup(name, self.count, tp, engine, self.speed_spread, layout)
+        try:
+            perf = group.perf(catalog, model)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc.field}", exc.message) from None
+        if not perf.fits:
+            raise ConfigError(
+                f"{where}.gpu" if layout is None else f"{where}.stages",
+                f"{model.name} does not fit on {group.gpus} x {name}: it needs about "
+                f"{perf.memory_needed_gb:.0f} GB per GPU; raise tp or pp, or pick larger GPUs",
+            )
+        return group
+
+
+retype(FleetEntry, engine=EngineBlock)
+
+# A policy by name, or {name: ..., its options...}.
+PolicyEntry = Annotated[str, Field(min_length=1)] | dict[str, Any]
+
+
+def _policy(item: str | dict[str, Any], where: str) -> PolicyChoice:
+    if isinstance(item, str):
+        name, options = item, {}
+    else:
+        if not isinstance(item.get("name"), str):
+            raise ConfigError(where, "must be a policy name or {name: ..., options}",
+                              policy_names())
+        name, options = item["name"], {k: v for k, v in item.items() if k != "name"}
+    if name not in policy_names():
+        raise ConfigError(where, f"unknown policy {name!r}", policy_names())
+    return PolicyChoice(name, options)
 
 
 def parse_policies(raw: Any, where: str = "policies") -> tuple[PolicyChoice, ...]:
+    """A ``policies:`` list, or a comma-separated string of names (``--policies``)."""
     if raw is None:
         return (PolicyChoice("tailguard"),)
     if isinstance(raw, str):
         raw = [p.strip() for p in raw.split(",") if p.strip()]
     if not isinstance(raw, list) or not raw:
         raise ConfigError(where, "must be a non-empty list of policy names", policy_names())
+    return tuple(_policy(item, f"{where}[{i}]") for i, item in enumerate(raw))
+
+
+class ScenarioFile(Block):
+    """A whole scenario (``tailguard schema scenario`` prints its JSON Schema)."""
+
+    name: str = "scenario"
+    seed: int = 0
+    model: str = Field(min_length=1)
+    slo: Block = Field(default_factory=SloBlock)
+    network_rtt_s: float = Field(default=0.0, ge=0.0)
+    fleet: list[FleetEntry] = Field(min_length=1)
+    workload: dict[str, Any]  # tailguard.traffic.workload
+    faults: list[FaultBlock] = Field(default_factory=list)
+    policies: list[PolicyEntry] | None = Field(default=None, min_length=1)
+    catalog: CatalogBlock | None = None
+    prices: dict[str, Annotated[float, Field(gt=0.0)]] | None = None
+    gpu_telemetry: bool = False
+    outliers: Block = Field(default_factory=OutliersBlock)
+    limits: Block | None = None
+    admission: Block | None = None
+    hedging: Block = Field(default_factory=HedgingBlock)
+
+    @field_validator("faults")
+    @classmethod
+    def _simulated(cls, faults: list[FaultBlock]) -> list[FaultBlock]:
+        for f in faults:
+            if f.node is None:
+                raise ValueError("each fault names its node")
+            if f.kind == "hang":
+                raise ValueError("the simulator models no request timeouts, so no hang: "
+                                 "use crash")
+            if f.jitter_s:
+                raise ValueError("the simulator's links have a fixed delay: leave out "
+                                 "jitter_s")
+        return faults
+
+
+retype(ScenarioFile, slo=SloBlock, outliers=OutliersBlock, limits=LimitsBlock | None,
+       admission=AdmissionBlock | None, hedging=HedgingBlock)
+
+
+def _faults(doc: ScenarioFile, planned: list[NodePlan]) -> tuple[FaultSpec, ...]:
+    ids = [n.id for n in planned]
+    gpus = {n.id: n.perf.gpus for n in planned}
     out = []
-    for i, item in enumerate(raw):
-        if isinstance(item, str):
-            name, options = item, {}
-        elif isinstance(item, Mapping) and "name" in item:
-            name = str(item["name"])
-            options = {k: v for k, v in item.items() if k != "name"}
-        else:
-            raise ConfigError(f"{where}[{i}]", "must be a policy name or {name: ..., options}",
-                              policy_names())
-        if name not in policy_names():
-            raise ConfigError(f"{where}[{i}]", f"unknown policy {name!r}", policy_names())
-        out.append(PolicyChoice(name, options))
+    for i, block in enumerate(doc.faults):
+        w = f"faults[{i}]"
+        if block.node not in gpus:
+            shown = ids if len(ids) <= 40 else [*ids[:40], "..."]
+            raise ConfigError(f"{w}.node", f"unknown node {block.node!r}", shown)
+        if block.gpu_index is not None and block.gpu_index >= gpus[block.node]:
+            raise ConfigError(f"{w}.gpu_index",
+                              f"must be a GPU of the node: 0..{gpus[block.node] - 1}")
+        out.append(block.core())
     return tuple(out)
-
-
-def _gpu_index(m: Mapping[str, Any], w: str, kind: Any, gpus: int | None) -> int | None:
-    if m.get("gpu_index") is None:
-        return None
-    if kind != "throttle":
-        raise ConfigError(f"{w}.gpu_index", "only a throttle targets one GPU")
-    k = m["gpu_index"]
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (gpus is not None and k >= gpus):
-        raise ConfigError(f"{w}.gpu_index", f"must be a GPU of the node: 0..{(gpus or 1) - 1}")
-    return k
-
-
-def parse_faults(raw: Any, node_ids: Sequence[str], where: str = "faults",
-                 gpus: Mapping[str, int] | None = None) -> tuple[Fault, ...]:
-    """The ``faults`` list; ``gpus``: each node's GPU count (for ``gpu_index``)."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ConfigError(where, "must be a list")
-    out = []
-    for i, item in enumerate(raw):
-        w = f"{where}[{i}]"
-        m = require_mapping(item, w)
-        check_keys(m, ("node", "kind", "at_s", "duration_s", "factor", "rate", "period_s",
-                        "pause_s", "delay_s", "gpu_index"), w)
-        node = m.get("node")
-        if node not in node_ids:
-            shown = list(node_ids) if len(node_ids) <= 40 else [*node_ids[:40], "..."]
-            raise ConfigError(f"{w}.node", f"unknown node {node!r}", shown)
-        kind = m.get("kind")
-        if kind not in FAULT_KINDS:
-            raise ConfigError(f"{w}.kind", f"unknown fault kind {kind!r}", list(FAULT_KINDS))
-        fault = Fault(
-            node=str(node),
-            kind=str(kind),
-            at_s=number(m, "at_s", w, 0.0, positive=False, minimum=0.0),
-            duration_s=number(m, "duration_s", w) if m.get("duration_s") is not None else None,
-            factor=number(m, "factor", w, 1.0),
-            rate=number(m, "rate", w, 0.0, positive=False, minimum=0.0),
-            period_s=number(m, "period_s", w, 10.0),
-            pause_s=number(m, "pause_s", w, 1.0),
-            delay_s=number(m, "delay_s", w, 0.0, positive=False, minimum=0.0),
-            gpu_index=_gpu_index(m, w, kind, gpus.get(str(node), 1) if gpus else None),
-        )
-        if kind == "throttle" and "factor" not in m:
-            raise ConfigError(f"{w}.factor", "is required for a throttle (speed factor, e.g. 0.4)")
-        if kind == "error_rate" and not 0.0 < fault.rate <= 1.0:
-            raise ConfigError(f"{w}.rate", "must be in (0, 1] for error_rate")
-        if kind == "slow_network" and fault.delay_s <= 0:
-            raise ConfigError(f"{w}.delay_s", "must be > 0 for slow_network")
-        out.append(fault)
-    return tuple(out)
-
-
-SCENARIO_KEYS = ("limits", "admission", "outliers", "hedging", "name", "seed", "model", "slo",
-                 "network_rtt_s", "fleet", "workload", "faults", "policies", "catalog", "prices",
-                 "gpu_telemetry")
 
 
 def parse_scenario(raw: Any, base_dir: Path | None = None,
                    catalog: Catalog = DEFAULT_CATALOG) -> Scenario:
-    m = require_mapping(raw, "scenario")
-    check_keys(m, SCENARIO_KEYS, "")
-    if "catalog" in m:
-        catalog = extend_catalog(catalog, m["catalog"])
-    if "prices" in m:
-        catalog = catalog.with_prices(require_mapping(m["prices"], "prices"))
-    name = str(m.get("name", "scenario"))
-    seed = m.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError("seed", f"must be an integer, got {seed!r}")
-    if "model" not in m:
-        raise ConfigError("model", "is required", [x.name for x in catalog.models])
-    model = catalog.model(str(m["model"]), "model")
-    slo = parse_slo(m.get("slo"))
-    rtt = number(m, "network_rtt_s", "", 0.0, positive=False, minimum=0.0)
-    fleet_raw = m.get("fleet")
-    if not isinstance(fleet_raw, list) or not fleet_raw:
-        raise ConfigError("fleet", "must be a non-empty list of {gpu, count}")
-    groups = []
-    for i, item in enumerate(fleet_raw):
-        w = f"fleet[{i}]"
-        g = require_mapping(item, w)
-        check_keys(g, ("gpu", "count", "tp", *PIPELINE_KEYS, "engine", "speed_spread"), w)
-        layout = parse_layout(g, w, catalog)
-        if layout is not None:
-            name, tp = layout.name, layout.stages[0].tp
-        else:
-            if "gpu" not in g:
-                raise ConfigError(f"{w}.gpu", "is required", [x.name for x in catalog.gpus])
-            name, tp = catalog.gpu(str(g["gpu"]), f"{w}.gpu").name, integer(g, "tp", w, 1)
-        spread = number(g, "speed_spread", w, 0.0, positive=False, minimum=0.0)
-        if spread >= 1.0:
-            raise ConfigError(f"{w}.speed_spread", "must be < 1 (e.g. 0.1 for +-10%)")
-        group = FleetGroup(name, integer(g, "count", w, 1), tp,
-                           parse_engine(g.get("engine"), f"{w}.engine"), spread, layout)
-        try:
-            perf = group.perf(catalog, model)
-        except ConfigError as exc:
-            raise ConfigError(f"{w}.{exc.field}", exc.message) from None
-        if not perf.fits:
-            raise ConfigError(
-                f"{w}.gpu" if layout is None else f"{w}.stages",
-                f"{model.name} does not fit on {group.gpus} x {name}: it needs about "
-                f"{perf.memory_needed_gb:.0f} GB per GPU; raise tp or pp, or pick larger GPUs",
-            )
-        groups.append(group)
-    if "workload" not in m:
-        raise ConfigError("workload", "is required")
-    workload = parse_workload(require_mapping(m["workload"], "workload"), "workload", base_dir)
-    scenario = Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, (),
-                        parse_policies(m.get("policies")), catalog)
-    planned = scenario.nodes()
-    ids = [n.id for n in planned]
-    faults = parse_faults(m.get("faults"), ids, gpus={n.id: n.perf.gpus for n in planned})
-    telemetry = m.get("gpu_telemetry", False)
-    if not isinstance(telemetry, bool):
-        raise ConfigError("gpu_telemetry", "must be true or false")
-    return Scenario(name, seed, model.name, slo, rtt, tuple(groups), workload, faults,
-                    scenario.policies, catalog,
-                    parse_core(OutliersBlock, m.get("outliers"), "outliers"),
-                    limits=parse_core(LimitsBlock, m.get("limits"), "limits", optional=True),
-                    admission=parse_core(AdmissionBlock, m.get("admission"), "admission",
-                                         optional=True),
-                    hedging=parse_core(HedgingBlock, m.get("hedging"), "hedging"),
-                    gpu_telemetry=telemetry)
+    doc = parse(ScenarioFile, raw, "")
+    if doc.catalog is not None:
+        catalog = extend_catalog(catalog, doc.catalog)
+    if doc.prices is not None:
+        catalog = catalog.with_prices(doc.prices)
+    model = catalog.model(doc.model, "model")
+    groups = tuple(entry.group(f"fleet[{i}]", catalog, model)
+                   for i, entry in enumerate(doc.fleet))
+    workload = parse_workload(doc.workload, "workload", base_dir)
+    policies = parse_policies(doc.policies)
+    scenario = Scenario(doc.name, doc.seed, model.name, doc.slo.core(), doc.network_rtt_s,
+                        groups, workload, (), policies, catalog,
+                        doc.outliers.core(),
+                        limits=doc.limits.core() if doc.limits is not None else None,
+                        admission=doc.admission.core() if doc.admission is not None else None,
+                        hedging=doc.hedging.core(), gpu_telemetry=doc.gpu_telemetry)
+    return replace(scenario, faults=_faults(doc, scenario.nodes()))
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -1,7 +1,7 @@
 """The report section of the straggler work (issue 5).
 
 The scenario key ``outliers:`` (on by default, parsed by
-:mod:`tailguard.core_options`) sets :class:`~tailguard.core.outliers.OutlierConfig`;
+:mod:`tailguard.config.core_options`) sets :class:`~tailguard.core.outliers.OutlierConfig`;
 the report section ``outliers`` says, per fault, how long detection took, how
 long each node spent in each state, and which detections hit nodes that had
 no fault (false detections)::

@@ -82,7 +82,7 @@ from tailguard.core.fleet import NodeState
 from tailguard.core.snapshot import FleetSnapshot, NodeSnapshot
 
 if TYPE_CHECKING:
-    from tailguard.gateway.live_fleet import LiveFleet
+    from tailguard.adapters.live_fleet import LiveFleet
 
 UNKNOWN_POOL = "_unknown"
 INVALID_POOL = "_invalid"

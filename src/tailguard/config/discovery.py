@@ -1,4 +1,4 @@
-"""The fleet file's ``discovery:`` section (the watcher is :mod:`tailguard.gateway.discovery`)."""
+"""The fleet file's ``discovery:`` section (the watcher is :mod:`tailguard.adapters.discovery`)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any, Literal, Protocol
 
-from tailguard.config_file import check_keys, integer, number, require_mapping
+from tailguard.config.files import check_keys, integer, number, require_mapping
 from tailguard.errors import ConfigError
 
 Field = Literal["input_tokens", "output_tokens"]

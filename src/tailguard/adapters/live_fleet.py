@@ -2,8 +2,8 @@
 
 The decision core (:class:`~tailguard.core.balancer.Balancer`) knows nodes as
 specs and live statistics; the gateway adds what it needs to *reach* them:
-each node's :class:`~tailguard.gateway.config.NodeConfig` (URL, upstream key),
-its :class:`~tailguard.gateway.monitor.NodeMonitor`, and each pool's
+each node's :class:`~tailguard.config.fleet.NodeConfig` (URL, upstream key),
+its :class:`~tailguard.adapters.monitor.NodeMonitor`, and each pool's
 settings (timeouts, retries) and retry budget. All fleet changes go through
 here, whichever way they come (fleet-file reload, admin API, health checks):
 
@@ -34,15 +34,15 @@ from typing import Any
 
 import aiohttp
 
+from tailguard.adapters.engine_metrics import EngineSample
+from tailguard.adapters.event_log import EventLog
+from tailguard.adapters.monitor import NodeMonitor
+from tailguard.adapters.shared_state import SharedState
+from tailguard.config.fleet import FleetConfig, NodeConfig, PoolSettings
 from tailguard.core.balancer import Balancer, Event
 from tailguard.core.events import remedy
 from tailguard.core.fleet import NodeState
 from tailguard.core.probes import ProbeRule
-from tailguard.gateway.config import FleetConfig, NodeConfig, PoolSettings
-from tailguard.gateway.engine_metrics import EngineSample
-from tailguard.gateway.event_log import EventLog
-from tailguard.gateway.monitor import NodeMonitor
-from tailguard.gateway.shared_state import SharedState
 
 log = logging.getLogger("tailguard.gateway.fleet")
 

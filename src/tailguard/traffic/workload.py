@@ -33,7 +33,7 @@ Poisson and gamma take exactly one of ``rate`` (requests per second) or
 ``load`` (a fraction of the fleet's capacity, which the simulator turns into a
 rate; this module never sees the fleet).
 
-Length distributions (``dist``): :mod:`tailguard.sim.lengths`.
+Length distributions (``dist``): :mod:`tailguard.traffic.lengths`.
 
 Determinism
 -----------
@@ -52,14 +52,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tailguard.config_file import (
+from tailguard.config.files import (
     check_keys,
     number,
     optional_number,
     require_mapping,
 )
 from tailguard.errors import ConfigError
-from tailguard.sim.lengths import (
+from tailguard.traffic.lengths import (
     DISTS,
     PRESET_MAX,
     TOKEN_CAP,
@@ -71,8 +71,8 @@ from tailguard.sim.lengths import (
     UniformLength,
     parse_length_dist,
 )
-from tailguard.sim.sessions import PrefixSpec, generate_sessions, parse_prefix
-from tailguard.sim.traces import Requests, read_trace, write_trace
+from tailguard.traffic.sessions import PrefixSpec, generate_sessions, parse_prefix
+from tailguard.traffic.traces import Requests, read_trace, write_trace
 
 __all__ = [
     "DISTS",
@@ -133,7 +133,7 @@ class WorkloadSpec:
     # Shares of request priorities, e.g. {"high": 0.2, "normal": 0.6, "low": 0.2}
     # (None: all normal); used by the admission queue.
     priorities: Mapping[str, float] | None = None
-    # Sessions with shared prefixes (tailguard.sim.sessions); None: independent prompts.
+    # Sessions with shared prefixes (tailguard.traffic.sessions); None: independent prompts.
     prefix: PrefixSpec | None = None
 
 

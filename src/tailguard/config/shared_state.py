@@ -1,4 +1,4 @@
-"""The fleet file's ``shared_state:`` section (the driver is :mod:`tailguard.gateway.shared_state`)."""
+"""The fleet file's ``shared_state:`` section (the driver is :mod:`tailguard.adapters.shared_state`)."""
 
 from __future__ import annotations
 

@@ -48,13 +48,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from tailguard.config.discovery import KubernetesDiscoveryConfig
+from tailguard.config.fleet import NodeConfig, parse_node
 from tailguard.core.fleet import NodeState
 from tailguard.errors import ConfigError
-from tailguard.gateway.config import NodeConfig, parse_node
-from tailguard.gateway.discovery_config import KubernetesDiscoveryConfig
 
 if TYPE_CHECKING:
-    from tailguard.gateway.live_fleet import LiveFleet
+    from tailguard.adapters.live_fleet import LiveFleet
 
 log = logging.getLogger("tailguard.discovery")
 

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tailguard.config_file import check_keys, require_mapping
+from tailguard.config.files import check_keys, require_mapping
 from tailguard.errors import ConfigError
 
 _HASH_MASK = (1 << 62) - 1

@@ -2,7 +2,7 @@
 
 The simulator's scenario files give a length distribution as a mapping
 (``{dist: lognormal, mu: 6.6, sigma: 1.0}``, parsed by
-:func:`tailguard.sim.workload.parse_length_dist`); a flag needs one word. The
+:func:`tailguard.traffic.workload.parse_length_dist`); a flag needs one word. The
 word is ``NAME[:ARGS]`` and becomes that mapping, so both spellings accept and
 reject exactly the same distributions:
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from tailguard.errors import ConfigError
-from tailguard.sim.workload import DISTS, LengthDist, parse_length_dist
+from tailguard.traffic.workload import DISTS, LengthDist, parse_length_dist
 
 _POSITIONAL = {
     "fixed": ("value",),

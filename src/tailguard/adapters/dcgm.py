@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tailguard.config.fleet import NodeConfig
 from tailguard.core.hardware import DEFAULT_CATALOG
-from tailguard.gateway.config import NodeConfig
 
 BLANK = 0x7FFFFFFFFFFFFFF0  # DCGM_INT64_BLANK: at or above it, no reading
 # NVML clocks-throttle-reason bits; GPU idle and the application clock setting

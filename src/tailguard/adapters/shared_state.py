@@ -44,16 +44,16 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
+from tailguard.config.shared_state import SharedStateConfig
 from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
-from tailguard.gateway.shared_state_config import SharedStateConfig
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from tailguard.gateway.live_fleet import LiveFleet
+    from tailguard.adapters.live_fleet import LiveFleet
 
-log = logging.getLogger("tailguard.gateway.shared_state")
+log = logging.getLogger("tailguard.adapters.shared_state")
 
 # One round trip: renew or take the lease, store the report, prune and list the
 # live replicas, return the leader's id and the others' reports (id, report, ...).

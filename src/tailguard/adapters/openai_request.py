@@ -16,6 +16,7 @@ Worked example: one message ``"Say hello in French"`` (19 characters) is
 
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -189,3 +190,24 @@ def parse_request(endpoint: str, body: bytes) -> RoutedRequest:
         raise InvalidRequest("'input' must be a string, a list of strings or token ids",
                              "invalid_value", "input")
     return RoutedRequest(model, False, max(_prompt_tokens(inp), 1), 1)
+
+
+PRIORITY_HEADER = "x-tailguard-priority"
+
+
+def priority_of(raw: str | None) -> int:
+    """An ``x-tailguard-priority`` value: 0 (``high``), 2 (``low``), else 1."""
+    if raw is None:
+        return 1
+    return {"0": 0, "high": 0, "2": 2, "low": 2}.get(raw.strip().lower(), 1)
+
+
+def bearer_ok(header: str, keys: tuple[str, ...]) -> bool:
+    """An ``Authorization`` value ``Bearer <key>`` with one of ``keys`` (constant time)."""
+    if not header.startswith("Bearer "):
+        return False
+    given = header[7:].strip().encode()
+    ok = False
+    for k in keys:  # no early exit: the time taken does not reveal which key matched
+        ok |= hmac.compare_digest(given, k.encode())
+    return ok

@@ -1,6 +1,6 @@
 """The fleet file's parsed form: frozen settings for the gateway, its nodes and pools.
 
-:mod:`tailguard.gateway.config` parses a fleet file into these (and re-exports
+:mod:`tailguard.config.fleet` parses a fleet file into these (and re-exports
 them); everything here is a frozen dataclass, so a reload builds a new
 :class:`FleetConfig` and the gateway diffs it against the running one.
 """
@@ -11,12 +11,16 @@ import functools
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from yarl import URL
 
+from tailguard.config.discovery import KubernetesDiscoveryConfig
+from tailguard.config.faults import FaultSpec
+from tailguard.config.remediation import RemediationConfig
+from tailguard.config.shared_state import SharedStateConfig
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.balancer import PoolConfig
 from tailguard.core.fleet import NodeSpec
@@ -27,25 +31,11 @@ from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout
 from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
-from tailguard.core_options import PIPELINE_KEYS
-from tailguard.gateway.discovery_config import KubernetesDiscoveryConfig
-from tailguard.gateway.shared_state_config import SharedStateConfig
-from tailguard.remediation.config import RemediationConfig
 
 #: Engines whose metric names the gateway knows (``None`` in a node: detect).
 ENGINES = ("vllm", "sglang", "trtllm", "tgi", "llamacpp")
 DEFAULT_LISTEN = ("127.0.0.1", 8080)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-
-FLEET_KEYS = ("listen", "nodes", "pools", "discovery", "shared_state", "admin", "api_keys",
-              "api_keys_env", "max_body_bytes",
-              "scrape", "health", "reload", "shutdown_timeout_s", "emulator", "catalog",
-              "outliers", "remediation", "client")
-NODE_KEYS = ("id", "url", "gpu", "tp", "models", "engine", "labels", "weight", "max_num_seqs",
-             "api_key_env", "dcgm_url", "faults", "emulator", *PIPELINE_KEYS)
-POOL_KEYS = ("policy", "policy_options", "slo", "catalog_model", "timeouts", "retries", "limits",
-             "admission", "hedging")
-
 
 # -- the dataclasses ---------------------------------------------------------------
 
@@ -118,6 +108,30 @@ class PoolSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class EmulatorOptions:
+    """How ``tailguard emulate`` runs a node (``emulator:`` of a node, and of the
+    fleet for every node's defaults); None: not given here."""
+
+    speed: float | None = None  # this unit's speed, 1.0 nominal (0.8: a slow unit)
+    catalog_model: str | None = None  # the catalog model to time
+    max_num_batched_tokens: int | None = None  # engine token budget per step (vLLM's flag)
+    enable_chunked_prefill: bool | None = None  # as vLLM's flag (default true)
+    kv_capacity_tokens: int | None = None  # instead of the KV cache the roofline derives
+    block_size: int | None = None  # KV block size (default 16)
+    enable_prefix_caching: bool | None = None  # as vLLM's flag (default true)
+
+    def over(self, defaults: EmulatorOptions) -> EmulatorOptions:
+        """These options, each one not given taken from ``defaults``."""
+        return EmulatorOptions(*(mine if mine is not None else theirs
+                                 for mine, theirs in zip(_astuple(self), _astuple(defaults),
+                                                         strict=True)))
+
+
+def _astuple(options: EmulatorOptions) -> tuple[Any, ...]:
+    return tuple(getattr(options, f.name) for f in fields(options))
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """One engine replica: the decision core's node (its hardware, models, slots; its
     ``url``, the base URL without a trailing slash: requests go to url + "/v1/...")
@@ -126,9 +140,9 @@ class NodeConfig:
     core: NodeSpec
     engine: str | None = None  # one of ENGINES; None: detect from the metric names
     api_key_env: str | None = None  # env var holding the key the engine expects
-    dcgm_url: str | None = None  # the node's DCGM exporter page (gateway/dcgm.py)
-    faults: tuple[Mapping[str, Any], ...] = ()  # raw, for the emulator
-    emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
+    dcgm_url: str | None = None  # the node's DCGM exporter page (adapters/dcgm.py)
+    faults: tuple[FaultSpec, ...] = ()  # what the emulator makes it suffer
+    emulator: EmulatorOptions = field(default_factory=lambda: EmulatorOptions())
 
     def spec(self) -> NodeSpec:
         """The decision core's view of this node."""
@@ -302,15 +316,15 @@ class FleetConfig:
     health: HealthSettings = field(default_factory=HealthSettings)
     reload_poll_s: float = 1.0  # mtime poll of the file; 0 turns it off
     shutdown_timeout_s: float = 30.0
-    emulator: Mapping[str, Any] = field(default_factory=dict)  # raw, for the emulator
+    emulator: EmulatorOptions = field(default_factory=lambda: EmulatorOptions())  # defaults
     catalog: Catalog = DEFAULT_CATALOG
     path: Path | None = None  # the file it came from, for reloads
     warnings: tuple[str, ...] = ()
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # straggler detection
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
     client: ClientSettings = field(default_factory=ClientSettings)
-    discovery: KubernetesDiscoveryConfig | None = None  # engines as pods (gateway/discovery.py)
-    shared_state: SharedStateConfig | None = None  # replicas as one (gateway/shared_state.py)
+    discovery: KubernetesDiscoveryConfig | None = None  # engines as pods (adapters/discovery.py)
+    shared_state: SharedStateConfig | None = None  # replicas as one (adapters/shared_state.py)
 
     def pool(self, model: str) -> PoolSettings:
         """The settings of ``model``'s pool (defaults when the file has none)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.errors import ConfigError
-from tailguard.sim.lengths import TOKEN_CAP
+from tailguard.traffic.lengths import TOKEN_CAP
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,11 +23,11 @@ import time
 
 from aiohttp import web
 
+from tailguard.adapters.api_errors import error_response
+from tailguard.adapters.live_fleet import LiveFleet
+from tailguard.adapters.metrics import GatewayMetrics
 from tailguard.core.admission import Shed
 from tailguard.core.exchange import Action, Exchange, pump
-from tailguard.gateway.api_errors import error_response
-from tailguard.gateway.live_fleet import LiveFleet
-from tailguard.gateway.metrics import GatewayMetrics
 
 TTFT_HEADER = "x-slo-ttft-ms"
 EXPIRY_S = 0.05  # how often queued entries are checked against their deadline

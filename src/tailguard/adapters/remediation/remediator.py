@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from tailguard.adapters.remediation.actions import delete_pod, post_webhook, run_command
+from tailguard.config.remediation import RemediationConfig, Rule
 from tailguard.core.events import Event
-from tailguard.remediation.actions import delete_pod, post_webhook, run_command
-from tailguard.remediation.config import RemediationConfig, Rule
 
 if TYPE_CHECKING:
-    from tailguard.gateway.event_log import EventLog
-    from tailguard.gateway.live_fleet import LiveFleet
+    from tailguard.adapters.event_log import EventLog
+    from tailguard.adapters.live_fleet import LiveFleet
 
-log = logging.getLogger("tailguard.remediation")
+log = logging.getLogger("tailguard.adapters.remediation")
 
 HOUR_S = 3600.0
 

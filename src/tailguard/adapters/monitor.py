@@ -3,7 +3,7 @@
 Two loops per node, both plain ``GET`` requests on the shared client session:
 
 * **scrape** ``{url}/metrics`` every ``scrape.interval_s`` (default 0.5 s),
-  parsed with the node's :mod:`~tailguard.gateway.engine_metrics` adapter
+  parsed with the node's :mod:`~tailguard.adapters.engine_metrics` adapter
   (configured, or detected from the first page). Each good sample goes to
   ``balancer.on_engine_metrics``. Data older than ``scrape.stale_s`` (default
   2 s, as Kubernetes' endpoint picker does) is *stale*: the monitor says so
@@ -30,11 +30,11 @@ from collections.abc import Callable
 
 import aiohttp
 
-from tailguard.gateway.config import HealthSettings, NodeConfig, ScrapeSettings
-from tailguard.gateway.dcgm import DcgmError, GpuTelemetry, gpu_mismatch, parse_dcgm
-from tailguard.gateway.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
+from tailguard.adapters.dcgm import DcgmError, GpuTelemetry, gpu_mismatch, parse_dcgm
+from tailguard.adapters.engine_metrics import EngineSample, detect_engine, parse_engine_metrics
+from tailguard.config.fleet import HealthSettings, NodeConfig, ScrapeSettings
 
-log = logging.getLogger("tailguard.gateway.monitor")
+log = logging.getLogger("tailguard.adapters.monitor")
 
 NO_METRICS_RETRY_S = 30.0
 SCRAPE_BACKOFF_MAX_S = 5.0
