@@ -165,3 +165,23 @@ def test_a_leader_report_cannot_cordon_or_take_a_node_down() -> None:
                                    "s": [state, 1.0, 0, 0.0, "rogue"]}}}
         assert b.on_peers(1.0, {"r1": report}, leader=False) == []
         assert b.nodes["n0"].state is NodeState.HEALTHY
+
+
+def test_a_leader_cannot_quarantine_past_the_ejection_cap_or_zero_a_weight() -> None:
+    """A leader's decisions are held to the detector's own rules: quarantining every node
+    takes out at most ``max_ejection_share`` of the pool (the rest are degraded), and a
+    routable node keeps at least ``min_weight``."""
+    b = Balancer(specs(4), [PoolConfig(MODEL)], random.Random(0))
+    b.tick(0.0)
+    decided = ["quarantined", 0.0, 1, 300.0, "claimed"]
+    report = {"leader": True, "demand": 0, "epoch": 1,
+              "nodes": {f"n{i}": {"f": 0, "b": 0, "s": decided} for i in range(4)}}
+    b.on_peers(1.0, {"r1": report}, leader=False)
+    states = [n.state for n in b.nodes.values()]
+    cap = b.outliers.config.max_ejection_share if b.outliers is not None else 0.0
+    assert 0 < states.count(NodeState.QUARANTINED) <= cap * 4
+    assert states.count(NodeState.DEGRADED) == 4 - states.count(NodeState.QUARANTINED)
+    weights = [n.weight_scale for n in b.nodes.values() if n.state.routable]
+    assert weights and min(weights) > 0.0
+    ticket = b.pick(MODEL, 100, 2.0)
+    assert ticket is not None and ticket.node.state.routable

@@ -447,3 +447,21 @@ def test_upstream_keepalive_shows_in_metrics() -> None:
             assert values["tailguard_upstream_connect_errors_total"] >= 1
 
     asyncio.run(body())
+
+
+def test_every_response_says_nosniff() -> None:
+    """What the gateway serves (answers, errors, metrics, the dashboard's state, the model
+    list) is never sniffed into another type by a browser."""
+    async def body() -> None:
+        async with fleet_and_gateway(["a"]) as (gw, _), aiohttp.ClientSession() as s:
+            status, _, headers = await post(gw, "/v1/chat/completions",
+                                            {"model": "m", "messages": MSG, "max_tokens": 2})
+            assert status == 200 and headers["X-Content-Type-Options"] == "nosniff"
+            status, _, headers = await post(gw, "/v1/chat/completions", b"{not json")
+            assert status == 400 and headers["X-Content-Type-Options"] == "nosniff"
+            for path in ("/metrics", "/dashboard/state", "/v1/models", "/healthz", "/nowhere"):
+                async with s.get(gw.url + path) as r:
+                    await r.read()
+                    assert r.headers.get("X-Content-Type-Options") == "nosniff", path
+
+    asyncio.run(body())

@@ -35,7 +35,10 @@ the gateway more CPU than the requests it routes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_REQUESTS = 1_000_000  # what one engine can plausibly run or queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +128,7 @@ def parse_engine_metrics(text: str, engine: str) -> EngineSample | None:
             value = float(fields[0])
         except ValueError:
             continue
-        if value != value:  # NaN: the engine has no value yet
+        if not math.isfinite(value) or value < 0.0:  # NaN: no value yet; the rest: nonsense
             continue
         labels = line[end + 1:close] if close >= 0 else ""
         for label, kind in targets:
@@ -141,4 +144,6 @@ def parse_engine_metrics(text: str, engine: str) -> EngineSample | None:
     kv = sums[2]
     if kv > 1.0:  # a percentage (0..100) from an engine that reports it so
         kv /= 100.0
-    return EngineSample(int(sums[0]), int(sums[1]), kv if seen[2] else -1.0)
+    # A page is the engine's word, not the gateway's: bounded as the replicas' reports are.
+    return EngineSample(int(min(sums[0], MAX_REQUESTS)), int(min(sums[1], MAX_REQUESTS)),
+                        min(kv, 1.0) if seen[2] else -1.0)

@@ -117,10 +117,14 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: streams prepared inside the handler carry the id too."""
+    """``on_response_prepare``: streams prepared inside the handler carry the id too, and
+    no browser sniffs a type into what the gateway serves (a node id or a model name
+    echoed in a JSON error must never run as HTML)."""
+    headers = response.headers
     cur = _CURRENT.get()
-    if cur is not None and REQUEST_ID_HEADER not in response.headers:
-        response.headers[REQUEST_ID_HEADER] = cur.id
+    if cur is not None and REQUEST_ID_HEADER not in headers:
+        headers[REQUEST_ID_HEADER] = cur.id
+    headers["X-Content-Type-Options"] = "nosniff"
 
 
 def _emit(request: web.Request, cur: RequestLog, status: int, node: str | None,

@@ -61,6 +61,7 @@ tailguard_node_in_flight_elsewhere_requests        gauge      node, gpu (shared_
 tailguard_shared_state_{up,leader,replicas}        gauge      - (shared_state)
 tailguard_shared_state_sync_seconds                gauge      - (shared_state)
 tailguard_shared_state_errors_total                counter    - (shared_state)
+tailguard_shared_state_rejected_total              counter    reason (shared_state)
 =================================================  =========  ============================
 
 What each means, with queries and alert rules: ``docs/metrics.md`` (a test
@@ -341,6 +342,9 @@ class FleetCollector:
                                  "Round trip of the last good sync with the shared store")
         errors = CounterMetricFamily("tailguard_shared_state_errors",
                                      "Syncs with the shared store that failed or timed out")
+        rejected = CounterMetricFamily("tailguard_shared_state_rejected",
+                                       "Reports and operator actions read from the shared "
+                                       "store and refused", labels=["reason"])
         if shared is not None:
             for node in nodes:
                 elsewhere.add_metric([node.id, node.gpu_class], node.in_flight_elsewhere)
@@ -349,7 +353,9 @@ class FleetCollector:
             replicas.add_metric([], float(shared.replicas))
             sync.add_metric([], shared.sync_s)
             errors.add_metric([], float(shared.errors))
-        return [elsewhere, up, leader, replicas, sync, errors]
+            for reason in ("malformed", "unsigned", "signature", "stale", "replayed"):
+                rejected.add_metric([reason], float(shared.rejected.get(reason, 0)))
+        return [elsewhere, up, leader, replicas, sync, errors, rejected]
 
     def _classes(self, nodes: list[NodeSnapshot]) -> list[Metric]:
         decode = GaugeMetricFamily("tailguard_class_decode_slowdown_ratio",

@@ -27,6 +27,15 @@ again the next sync resumes everything (a leader is elected anew, followers
 adopt its states). A replica that dies stops renewing its keys: its share
 of every node's load expires from the others' view within ``ttl_s``.
 
+Every report and operator action read from the store is untrusted input:
+it is parsed through :mod:`tailguard.config.wire` (types, finite values,
+ranges, sizes) and, with ``key_env`` set, must carry a valid HMAC-SHA256 of
+one of the shared keys over its namespace, kind, subject (replica or node id)
+and body, and a report must be newer than the last one seen from its sender.
+A refused entry is dropped whole, counted
+(``tailguard_shared_state_rejected_total{reason}``) and logged at most once a
+minute per sender; it never reaches the request path.
+
 Budgets: each replica's retry and hedge budgets earn on its own requests;
 every replica may also borrow ``1/k`` of the others' published balance
 (``k`` replicas), spending into debt that the others then see, so a
@@ -37,6 +46,8 @@ budget while the replicas together stay within about one budget.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -45,6 +56,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from tailguard.config.shared_state import SharedStateConfig
+from tailguard.config.wire import WireError, parse_operator_action, parse_report
 from tailguard.core.events import Event
 from tailguard.core.fleet import NodeState
 
@@ -88,6 +100,53 @@ return out
 
 # Operator states a replica shares; "healthy" ends a cordon or a drain.
 OPERATOR_STATES = (NodeState.CORDONED, NodeState.DRAINING, NodeState.HEALTHY)
+# A signed report older than this (the sender's clock) is a replay, not news.
+MAX_REPORT_AGE_S = 60.0
+REJECTION_LOG_EVERY_S = 60.0
+
+
+class Seal:
+    """Signs what this replica writes and checks what it reads (``key_env``).
+
+    A sealed value is ``v1.<hex HMAC-SHA256>.<body>``; the MAC covers the
+    namespace, the kind (``report``, ``op``) and the subject (the replica's or
+    the node's id) besides the body, so a signed value cannot be replayed
+    under another key. Without keys values go out plain and any value is read
+    (a sealed one has its seal dropped, unchecked).
+    """
+
+    __slots__ = ("keys", "namespace")
+
+    def __init__(self, keys: tuple[bytes, ...], namespace: str) -> None:
+        self.keys = keys
+        self.namespace = namespace
+
+    def _mac(self, key: bytes, kind: str, subject: str, body: bytes) -> str:
+        head = f"{self.namespace}\0{kind}\0{subject}\0".encode()
+        return hmac.new(key, head + body, hashlib.sha256).hexdigest()
+
+    def seal(self, kind: str, subject: str, body: str) -> str:
+        if not self.keys:
+            return body
+        return f"v1.{self._mac(self.keys[0], kind, subject, body.encode())}.{body}"
+
+    def open(self, kind: str, subject: str, raw: bytes | str) -> bytes:
+        """The body of a value read, or :class:`WireError` (``unsigned``, ``signature``)."""
+        data = raw if isinstance(raw, bytes) else raw.encode()
+        sealed = data.startswith(b"v1.")
+        if sealed:
+            mac, _, body = data[3:].partition(b".")
+        else:
+            mac, body = b"", data
+        if not self.keys:
+            return body
+        if not sealed:
+            raise WireError("unsigned", f"{kind} {subject!r} carries no signature")
+        given = mac.decode("ascii", "replace")
+        if not any(hmac.compare_digest(given, self._mac(k, kind, subject, body))
+                   for k in self.keys):
+            raise WireError("signature", f"{kind} {subject!r}: the signature does not verify")
+        return body
 
 
 class SharedState:
@@ -110,6 +169,11 @@ class SharedState:
         self._isolated = False
         self._pending_ops: dict[str, str] = {}  # node -> JSON, written at the next sync
         self._ops_seen: dict[str, str] = {}  # node -> the last operator action applied
+        self.seal = Seal(config.keys(), config.namespace)
+        self.rejected: dict[str, int] = {}  # reason -> entries refused
+        self._rejection_logged: dict[str, float] = {}  # sender -> when last logged
+        self._seq = 0  # of this replica's reports (a reader refuses an older one)
+        self._last_seq: dict[tuple[str, str], int] = {}  # (replica, epoch) -> last seq read
         self._redis: Redis | None = None
         self._script: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -121,6 +185,10 @@ class SharedState:
         from redis.asyncio import Redis
 
         cfg = self.config
+        if not self.seal.keys:
+            log.warning("shared state: no key_env: anyone who can write to %s can steer this "
+                        "fleet (node states, loads, operator actions); set key_env to sign "
+                        "what the replicas share", cfg.url)
         self._redis = Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
                                      socket_connect_timeout=cfg.timeout_s,
                                      health_check_interval=0)
@@ -172,12 +240,14 @@ class SharedState:
         fleet = self.fleet
         t0 = time.monotonic()
         report = fleet.balancer.report(t0, self.leader)
-        report["epoch"] = self.epoch
-        report["budgets"] = fleet.budget_balances()
+        self._seq += 1
+        report.update(epoch=self.epoch, seq=self._seq, ts=time.time(),
+                      budgets=fleet.budget_balances())
+        body = self.seal.seal("report", self.replica, json.dumps(report, allow_nan=False))
         ops, self._pending_ops = self._pending_ops, {}
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                await self._script(args=[self.config.namespace, self.replica, json.dumps(report),
+                await self._script(args=[self.config.namespace, self.replica, body,
                                          int(self.config.ttl_s * 1000)], client=pipe)  # queued
                 if ops:
                     pipe.hset(self._key("ops"), mapping=cast("Mapping[Any, Any]", ops))
@@ -191,15 +261,17 @@ class SharedState:
         now = time.monotonic()
         leader_id = _text(out[0]) if out and out[0] is not None else None
         peers: dict[str, dict[str, Any]] = {}
+        budgets: list[dict[str, list[float | None]]] = []
         for i in range(1, len(out) - 1, 2):
             rid = _text(out[i])
             try:
-                rep = json.loads(out[i + 1])
-            except ValueError:
+                rep = parse_report(self.seal.open("report", rid, out[i + 1]))
+                self._check_fresh(rid, rep.epoch, rep.seq, rep.ts)
+            except WireError as exc:
+                self._reject(rid, exc)
                 continue
-            if isinstance(rep, dict):
-                rep["leader"] = rid == leader_id
-                peers[rid] = rep
+            peers[rid] = rep.core(rid == leader_id)
+            budgets.append({m: list(b) for m, b in rep.budgets.items()})
         self.leader_id = leader_id
         self.leader = leader_id == self.replica
         self._peers = peers
@@ -213,8 +285,29 @@ class SharedState:
         self.up = True
         self._isolated = False
         self._apply_ops(all_ops)
-        fleet.lend_budgets([p.get("budgets", {}) for p in peers.values()])
+        fleet.lend_budgets(budgets)
         self._publish_events(fleet.balancer.on_peers(now, peers, self.leader))
+
+    def _check_fresh(self, rid: str, epoch: str, seq: int, ts: float) -> None:
+        """A signed report must be newer than the last one read from its sender and
+        not older than MAX_REPORT_AGE_S by its clock: an old one replayed is refused."""
+        if not self.seal.keys:
+            return
+        if abs(time.time() - ts) > MAX_REPORT_AGE_S:
+            raise WireError("stale", f"report of {rid!r} is {time.time() - ts:+.0f} s old")
+        key = (rid, epoch)
+        if seq < self._last_seq.get(key, 0):
+            raise WireError("replayed", f"report of {rid!r} is older than one already read")
+        self._last_seq[key] = seq
+
+    def _reject(self, sender: str, exc: WireError) -> None:
+        self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+        now = time.monotonic()
+        if now - self._rejection_logged.get(sender, -REJECTION_LOG_EVERY_S) \
+                >= REJECTION_LOG_EVERY_S:
+            self._rejection_logged[sender] = now
+            log.warning("shared state: refused an entry from %s (%s): %s", sender[:80],
+                        exc.reason, exc)
 
     def _failed(self, exc: BaseException) -> None:
         self.errors += 1
@@ -240,7 +333,9 @@ class SharedState:
         """An operator set ``node_id`` to ``state`` here: the others follow at the next sync."""
         if state not in OPERATOR_STATES:
             return
-        op = json.dumps({"state": state.value, "by": self.replica, "id": secrets.token_hex(6)})
+        op = self.seal.seal("op", node_id, json.dumps(
+            {"state": state.value, "by": self.replica, "id": secrets.token_hex(6),
+             "ts": time.time()}))
         self._pending_ops[node_id] = op
         self._ops_seen[node_id] = op
 
@@ -251,10 +346,11 @@ class SharedState:
                 continue
             self._ops_seen[node_id] = op
             try:
-                parsed = json.loads(op)
-                state, by = NodeState(parsed["state"]), parsed["by"]
-            except (ValueError, KeyError, TypeError):
+                action = parse_operator_action(self.seal.open("op", node_id, v))
+            except WireError as exc:
+                self._reject(f"operator action on {node_id[:80]!r}", exc)
                 continue
+            state, by = NodeState(action.state), action.by
             node = self.fleet.balancer.nodes.get(node_id)
             if node is None or node.state is state or state not in OPERATOR_STATES:
                 continue

@@ -21,6 +21,13 @@ class SharedStateConfig:
     a replica's report, and the leader's lease, outlive its last publish: a
     dead replica's share of every node expires after it. ``timeout_s``: a
     sync that takes longer is abandoned and counted as Redis being down.
+
+    ``key_env``: the environment variable holding the replicas' shared keys
+    (comma-separated; the first signs, each verifies, so a key is rotated by
+    adding the new one second, then first, then dropping the old one). With
+    keys, every report and operator action carries an HMAC-SHA256 and any
+    entry without a valid one is refused; without, any writer to the store
+    can steer the fleet (the gateway warns at start).
     """
 
     url: str
@@ -29,6 +36,15 @@ class SharedStateConfig:
     period_s: float = 0.25
     ttl_s: float = 2.0
     timeout_s: float = 0.5
+    key_env: str | None = None
+
+    def keys(self) -> tuple[bytes, ...]:
+        """The shared keys from ``key_env`` (none: unsigned; the variable must be set
+        and non-empty when named)."""
+        if self.key_env is None:
+            return ()
+        raw = os.environ.get(self.key_env, "")
+        return tuple(k.strip().encode() for k in raw.split(",") if k.strip())
 
 
 def default_replica() -> str:
@@ -50,6 +66,15 @@ class SharedStateBlock(Block):
     period_s: float = Field(0.25, ge=0.01)
     ttl_s: float | None = Field(None, ge=0.05)
     timeout_s: float | None = Field(None, ge=0.01)
+    key_env: str | None = Field(None, min_length=1)
+
+    @field_validator("key_env")
+    @classmethod
+    def _set(cls, name: str | None) -> str | None:
+        # An unset variable is a deployment mistake that would leave the fleet unsigned.
+        if name is not None and not os.environ.get(name, "").strip():
+            raise ValueError(f"environment variable {name} is unset or empty")
+        return name
 
     @field_validator("url")
     @classmethod
@@ -78,7 +103,7 @@ class SharedStateBlock(Block):
         ttl = self.ttl_s if self.ttl_s is not None else max(2.0, 4 * self.period_s)
         timeout = self.timeout_s if self.timeout_s is not None else min(0.5, ttl / 2)
         return SharedStateConfig(self.url, self.replica, self.namespace, self.period_s, ttl,
-                                 timeout)
+                                 timeout, self.key_env)
 
 
 def parse_shared_state(raw: Any) -> SharedStateConfig | None:

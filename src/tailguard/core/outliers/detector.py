@@ -88,9 +88,22 @@ class OutlierDetector(SampleIntake):
         A follower that later leads (its leader gone) carries on from it:
         the quarantine ends when the leader's would, and a node ejected
         again backs off from the leader's count.
+
+        A decision is held to the rules this detector keeps itself, so that a
+        buggy or forged leader cannot take more out than the detector would: a
+        quarantine past the pools' ``max_ejection_share`` is taken as a
+        degradation, and a routable node's weight stays within
+        ``[min_weight, 1]``.
         """
         h = self._rec(node, now)
         self._observe_state(node, h, now)
+        pools = list(pools)
+        if state is NodeState.QUARANTINED and node.state is not NodeState.QUARANTINED \
+                and not self._cap_allows(node, pools):
+            state, eject_in_s = NodeState.DEGRADED, 0.0
+            reason = f"{reason}; not quarantined: max ejection share reached"
+        if state.routable:
+            weight_scale = min(1.0, max(self.config.min_weight, weight_scale))
         h.ejections = ejections
         h.eject_until = now + eject_in_s if state is NodeState.QUARANTINED else math.inf
         node.reweigh(weight_scale)
