@@ -40,7 +40,16 @@ What the exchange owns, so that no driver can differ:
 * every copy's permit released exactly once, whatever the ending;
 * whose failure a 5xx was: released unjudged, charged to its node only when
   another node then served the request (:meth:`Balancer.blame`); two nodes
-  or more failing it, and none serving it, make it the request's doing.
+  or more failing it, and none serving it, make it the request's doing;
+* the request's deadline (``Request.deadline``): no retry or hedge starts
+  with less time left than the node it would go to is expected to need (to
+  its first token when streamed, to its whole answer when not);
+  the first attempt needs only the time to its first token (the client's
+  request deserves one try); a non-streamed attempt gets its own bound (:data:`ATTEMPT_MARGIN` times
+  what the node is expected to take for the longest answer the request
+  allows, at least :data:`ATTEMPT_FLOOR_S`), past which its node is taken for
+  hung while a retry still has time; and a copy the deadline cut short
+  (``Failure.cut``) is no evidence against its node.
 
 A copy is *committed* at its first chunk (or its complete answer): from then
 on no retry and no hedge, and a failure ends the exchange with
@@ -93,7 +102,17 @@ from tailguard.core.exchange_types import (
 )
 from tailguard.core.fleet import Outcome
 from tailguard.core.hedging import Hedger
+from tailguard.core.predict import decode_step_s
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
+
+# A non-streamed attempt's own bound: this many times what its node is expected
+# to take for the request's longest answer (an unbounded request: this many
+# times the pool's mean answer, for the tail), never under ATTEMPT_FLOOR_S.
+ATTEMPT_MARGIN = 4.0
+ATTEMPT_FLOOR_S = 2.0
+UNBOUNDED_ANSWERS = 4.0
+DEADLINE_PASSED = Failure(Outcome.TIMEOUT, 504, "the request's deadline passed",
+                          "upstream_timeout", cut=True)
 
 
 class Phase(enum.IntEnum):
@@ -183,7 +202,7 @@ class Exchange:
                          r.prefix, r.session)
         if got is None:
             return self._no_capacity()
-        return (self._dispatch(got, now, None, False),)
+        return self._first_attempt(got, now)
 
     def queue_decision(self, decision: Ticket | Shed, now: float) -> tuple[Action, ...]:
         """The balancer's queue placed the request on a node, or shed it."""
@@ -194,7 +213,7 @@ class Exchange:
             return NONE
         if isinstance(decision, Shed):
             return self._refuse(decision)
-        return (self._dispatch(decision, now, None, False),)
+        return self._first_attempt(decision, now)
 
     def sent(self, copy: Copy, now: float) -> tuple[Action, ...]:
         """``copy`` left for its node: the hedge's clock starts with the first copy sent."""
@@ -231,6 +250,10 @@ class Exchange:
         if ticket is None:
             h.refund()
             return NONE
+        if not self._has_time(ticket, now):
+            self.balancer.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)
+            h.refund()
+            return NONE
         self.hedged = True
         return (self._dispatch(ticket, now, None, True),)
 
@@ -256,20 +279,32 @@ class Exchange:
         if copy.state == ENDED or self.phase is Phase.ENDED:
             return NONE
         b = self.balancer
+        # Cut short by the request's deadline: the node had no time of its own to fail.
+        origin = Outcome.CLIENT_CANCELLED if failure.cut else failure.origin
         if copy.state == COMMITTED:
             copy.state = ENDED
-            b.on_finish(copy.ticket, now, failure.origin, output_tokens, judged=failure.judged,
+            b.on_finish(copy.ticket, now, origin, output_tokens, judged=failure.judged,
                         timed=False, cached_tokens=cached_tokens)
             return self._fail(failure, copy.node_id, True)
-        self._drop(copy, now, failure)
+        if failure.cut:
+            copy.state = ENDED
+            b.on_finish(copy.ticket, now, origin, 0)
+        else:
+            self._drop(copy, now, failure)
         if self._live() is not None:
             return NONE  # the other copy races on
         r = self.request
-        if not final and self.attempts < self.retries.attempts and self.budget.try_spend(now):
+        if not final and not failure.cut and self._time_left(now) > 0.0 \
+                and self.attempts < self.retries.attempts and self.budget.try_spend(now):
             ticket = b.pick(r.model, r.prompt_tokens, now, r.max_tokens, r.priority,
                             self._avoid(), r.prefix, r.session)
             if ticket is not None:
-                return (self._dispatch(ticket, now, failure.origin, False),)
+                if self._has_time(ticket, now):
+                    return (self._dispatch(ticket, now, failure.origin, False),)
+                b.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
+                failure = Failure(failure.origin, 504, f"{failure.message}; too little of the "
+                                  "request's time is left for another attempt",
+                                  "upstream_timeout", judged=failure.judged)
         return self._fail(failure, copy.node_id, False)
 
     def fallbacks(self, now: float) -> list[str]:
@@ -394,9 +429,59 @@ class Exchange:
         self.copies.append(c)
         if not hedge:
             self.attempts += 1
+        within = None
         if not self.request.stream:  # no first token to see: the core presumes one
             self.balancer.expect_no_first_token(ticket, now)
-        return Dispatch(c, retry_of)
+            within = self._attempt_bound(ticket, now)
+        return Dispatch(c, retry_of, within)
+
+    def _first_attempt(self, ticket: Ticket, now: float) -> tuple[Action, ...]:
+        """The first copy, unless the request's time ran out before it could start (it
+        waited in the queue past the time its first token needs)."""
+        left = self._time_left(now)
+        if left == math.inf or left > self._needs_s(ticket, 0.0):
+            return (self._dispatch(ticket, now, None, False),)
+        self.balancer.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
+        self._end("failed")
+        return (Fail(DEADLINE_PASSED, ticket.node.id, False),)
+
+    def _time_left(self, now: float) -> float:
+        deadline = self.request.deadline
+        return math.inf if deadline is None else deadline - now
+
+    def _needs_s(self, ticket: Ticket, answer_tokens: float) -> float:
+        """What the ticket's node is expected to take: to the first token, and then
+        ``answer_tokens`` more (the roofline with the class's learned slowdowns)."""
+        node = ticket.node
+        ttft = ticket.expected_ttft() * node.class_prefill_slowdown
+        if answer_tokens <= 0.0:
+            return ttft
+        pool = ticket.pool
+        step = decode_step_s(node.perf, ticket.running(),
+                             pool.mean_prompt + pool.mean_output * 0.5)
+        return ttft + answer_tokens * step * node.class_decode_slowdown
+
+    def _has_time(self, ticket: Ticket, now: float) -> bool:
+        """Whether an attempt on the ticket's node could plausibly do its part in the
+        request's time: its first token (streamed), its whole answer (not)."""
+        left = self._time_left(now)
+        if left == math.inf:
+            return True
+        r = self.request
+        answer = 0.0
+        if not r.stream:
+            answer = ticket.pool.mean_output
+            if r.max_tokens is not None:
+                answer = min(answer, float(r.max_tokens))
+        return left > self._needs_s(ticket, answer)
+
+    def _attempt_bound(self, ticket: Ticket, now: float) -> float | None:
+        """A non-streamed attempt's own bound in seconds (None: the deadline's)."""
+        r = self.request
+        longest = (float(r.max_tokens) if r.max_tokens is not None
+                   else UNBOUNDED_ANSWERS * max(ticket.pool.mean_output, 1.0))
+        bound = max(ATTEMPT_FLOOR_S, ATTEMPT_MARGIN * self._needs_s(ticket, longest))
+        return bound if bound < self._time_left(now) else None
 
     def _drop(self, copy: Copy, now: float, failure: Failure) -> None:
         """An uncommitted copy failed: its permit back, its 5xx kept for a verdict."""

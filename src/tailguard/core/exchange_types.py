@@ -30,6 +30,9 @@ class Request(NamedTuple):
     exclude: tuple[str, ...] = ()  # nodes it must not go to (outside a data plane's subset)
     prefix: tuple[int, ...] = ()  # the prompt's hashed blocks (prefix-cache affinity)
     session: str | None = None  # the client's session key (session affinity)
+    # When the whole request must be over, on the clock of ``now`` (None: no deadline):
+    # no attempt starts that could not plausibly finish its part by then.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,9 @@ class Failure:
     # A 5xx may be the request's doing rather than the node's: charged only
     # once another node served the same request.
     judged: bool = True
+    # Cut short by the request's own deadline, not by a timeout of the attempt
+    # (first byte, idle, its own bound): no evidence against the node.
+    cut: bool = False
 
 
 NO_CAPACITY = "no_capacity"
@@ -91,6 +97,10 @@ class Dispatch(NamedTuple):
 
     copy: Copy
     retry_of: Outcome | None = None  # the failure this retry follows, for metrics
+    # A non-streamed attempt's own bound, in seconds from now: past it the node is
+    # taken for hung (a timeout charged to it) while the request still has time
+    # for a retry. None: the request's deadline alone bounds it.
+    within_s: float | None = None
 
 
 class Queue(NamedTuple):

@@ -122,13 +122,17 @@ class Forwarder:
         req = call.req
         model = req.model
         self.gate.install()
+        # The request's deadline on the core's clock (the loop's may be another's).
+        now = time.monotonic()
+        deadline = now + (call.deadline - asyncio.get_running_loop().time())
         ex = self.exchange_type(
             fleet.balancer,
             Request(model, req.prompt_tokens, req.max_tokens, call.priority, req.stream,
                     ttft_header(call.request), len(call.body), prefix=req.prefix,
-                    session=session_key(call.request.headers.get(SESSION_HEADER), req)))
+                    session=session_key(call.request.headers.get(SESSION_HEADER), req),
+                    deadline=deadline))
         try:
-            return await self._drive(ex, call, ex.arrive(time.monotonic()))
+            return await self._drive(ex, call, ex.arrive(now))
         except BaseException:
             ex.client_gone(time.monotonic())  # the copies' tasks stop with their race
             raise
@@ -145,7 +149,7 @@ class Forwarder:
         race: Race | None = None
         try:
             while True:
-                run: Copy | None = None
+                run: Dispatch | None = None
                 queued = False
                 todo = list(actions)
                 for a in todo:  # grows while we go: a copy sent may arm the hedge timer
@@ -153,10 +157,10 @@ class Forwarder:
                         if a.retry_of is not None:
                             self.metrics.retry(call.req.model, a.retry_of.value)
                         if ex.hedger is None:
-                            run = a.copy  # one copy at a time: awaited right here
+                            run = a  # one copy at a time: awaited right here
                         else:
                             race = race or Race()
-                            race.start(a.copy, self._try(call, a.copy))
+                            race.start(a.copy, self._try(call, a.copy, a.within_s))
                         todo.extend(ex.sent(a.copy, time.monotonic()))
                     elif type(a) is ArmTimer:
                         race = race or Race()
@@ -175,7 +179,7 @@ class Forwarder:
                     actions = await self.gate.wait(ex)
                     continue
                 if run is not None:
-                    copy, result = run, await self._try(call, run)
+                    copy, result = run.copy, await self._try(call, run.copy, run.within_s)
                 else:
                     assert race is not None, "the exchange left nothing to wait for"
                     got = await race.next()
@@ -214,8 +218,10 @@ class Forwarder:
 
     # -- one copy on one node, to its first chunk --------------------------------
 
-    async def _try(self, call: Call, copy: Copy) -> Failure | Answer:
-        """POST to the copy's node: its answer with the first chunk read, or its failure."""
+    async def _try(self, call: Call, copy: Copy, within_s: float | None = None
+                   ) -> Failure | Answer:
+        """POST to the copy's node: its answer with the first chunk read, or its failure.
+        ``within_s``: the attempt's own bound (the exchange's, for a non-streamed one)."""
         node = self.fleet.nodes.get(copy.node_id)
         if node is None:  # cannot happen: the fleet adds and removes nodes in both at once
             return Failure(Outcome.CONNECT_FAILURE, 502, f"node {copy.node_id} left the fleet",
@@ -228,8 +234,9 @@ class Forwarder:
         to = call.settings.timeouts
         stream = call.req.stream
         first_deadline = call.deadline
-        if stream:
-            first_deadline = min(first_deadline, asyncio.get_running_loop().time() + to.first_byte_s)
+        own = to.first_byte_s if stream else within_s
+        if own is not None:
+            first_deadline = min(first_deadline, asyncio.get_running_loop().time() + own)
         upstream = self.upstream
         assert upstream is not None
         nid = node.id
@@ -246,7 +253,11 @@ class Forwarder:
             return Failure(Outcome.CONNECT_FAILURE, 502, f"cannot connect to node {nid}: {exc}",
                            "upstream_connect_failed")
         except TimeoutError:
-            what = "first byte" if first_deadline < call.deadline else "answer"
+            if first_deadline >= call.deadline:  # the request's time, not the attempt's
+                return Failure(Outcome.TIMEOUT, 504, f"node {nid} was still working when the "
+                               f"request's {to.total_s:g} s ran out", "upstream_timeout",
+                               cut=True)
+            what = "first byte" if stream else "answer"
             return Failure(Outcome.TIMEOUT, 504, f"node {nid} sent no {what} in time",
                            "upstream_timeout")
         except (UpstreamError, OSError) as exc:
@@ -349,7 +360,8 @@ class Forwarder:
             total = watchdog.cause == "total"
             error = Failure(Outcome.TIMEOUT, 504,
                             f"node {node.id} exceeded the request's total time" if total
-                            else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout")
+                            else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout",
+                            cut=total)
         except (UpstreamError, OSError) as exc:
             error = Failure(Outcome.CONNECT_FAILURE, 502,
                             f"node {node.id} failed in the middle of the stream: "
