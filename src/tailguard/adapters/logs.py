@@ -40,6 +40,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from tailguard.adapters.api_errors import NODE_HEADER
+
 REQUEST_ID_HEADER = "x-request-id"
 CLIENT_CLOSED = 499
 
@@ -118,13 +120,15 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     """``on_response_prepare``: streams prepared inside the handler carry the id too, and
-    no browser sniffs a type into what the gateway serves (a node id or a model name
-    echoed in a JSON error must never run as HTML)."""
+    no browser sniffs a type into what the gateway writes itself (a node id or a model
+    name echoed in a JSON error must never run as HTML). An engine's own answer,
+    relayed (a 2xx naming its node), goes as the engine typed it."""
     headers = response.headers
     cur = _CURRENT.get()
     if cur is not None and REQUEST_ID_HEADER not in headers:
         headers[REQUEST_ID_HEADER] = cur.id
-    headers["X-Content-Type-Options"] = "nosniff"
+    if response.status >= 400 or NODE_HEADER not in headers:
+        headers["X-Content-Type-Options"] = "nosniff"
 
 
 def _emit(request: web.Request, cur: RequestLog, status: int, node: str | None,

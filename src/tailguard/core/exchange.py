@@ -100,7 +100,7 @@ from tailguard.core.exchange_types import (
     StreamEnd,
     client_tpot,
 )
-from tailguard.core.fleet import Outcome
+from tailguard.core.fleet import OVERDUE_FACTOR, Outcome
 from tailguard.core.hedging import Hedger
 from tailguard.core.predict import decode_step_s
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
@@ -439,7 +439,7 @@ class Exchange:
         """The first copy, unless the request's time ran out before it could start (it
         waited in the queue past the time its first token needs)."""
         left = self._time_left(now)
-        if left == math.inf or left > self._needs_s(ticket, 0.0):
+        if left > ticket.allowance or left > self._needs_s(ticket, 0.0):
             return (self._dispatch(ticket, now, None, False),)
         self.balancer.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
         self._end("failed")
@@ -453,7 +453,8 @@ class Exchange:
         """What the ticket's node is expected to take: to the first token, and then
         ``answer_tokens`` more (the roofline with the class's learned slowdowns)."""
         node = ticket.node
-        ttft = ticket.expected_ttft() * node.class_prefill_slowdown
+        # The prediction the balancer made at dispatch (its overdue allowance).
+        ttft = ticket.allowance / OVERDUE_FACTOR
         if answer_tokens <= 0.0:
             return ttft
         pool = ticket.pool
