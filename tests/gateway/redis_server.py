@@ -26,26 +26,45 @@ def redis_binary() -> str:
 
 
 class RedisServer:
-    """``start()``/``kill()`` as often as a test likes; always the same port."""
+    """``start()``/``kill()`` as often as a test likes; always the same port.
 
-    def __init__(self) -> None:
+    ``tls``: (CA, certificate, key) files: TLS only, client certificates required.
+    ``users``: ACL rules (``"tg on >pw ~tailguard:* +@all"``); the default user is off.
+    """
+
+    def __init__(self, tls: tuple[str, str, str] | None = None,
+                 users: tuple[str, ...] = ()) -> None:
         self.binary = redis_binary()
         self.port = free_port()
+        self.tls = tls
+        self.users = users
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args = [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--protected-mode", "no"]
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-ca-cert-file", ca,
+                     "--tls-cert-file", cert, "--tls-key-file", key, "--tls-auth-clients", "yes"]
+        else:
+            args += ["--port", str(self.port)]
+        if self.users:
+            args += ["--user", "default", "off"]
+            for rule in self.users:
+                args += ["--user", *rule.split()]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10.0
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    if self.tls is not None or self.users:
+                        return  # listening; PING needs the handshake or a login
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
                         return
@@ -63,8 +82,9 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
+def redis_server(tls: tuple[str, str, str] | None = None,
+                 users: tuple[str, ...] = ()) -> Iterator[RedisServer]:
+    server = RedisServer(tls, users)
     server.start()
     try:
         yield server

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import trustme
 from gateway_fakes import FakeEngine, wait_for
 from redis.asyncio import Redis
 from redis_server import redis_server
@@ -152,6 +154,63 @@ def test_replicas_with_rotated_keys_still_share(monkeypatch: pytest.MonkeyPatch)
                     await wait_for(lambda: states(b)["e1"] is NodeState.CORDONED, timeout=2.0,
                                    what="b obeys a's cordon")
                     assert not a.fleet.shared.rejected and not b.fleet.shared.rejected
+        finally:
+            for e in engines:
+                await e.stop()
+    asyncio.run(body())
+
+
+def test_replicas_over_tls_with_client_certificates_and_an_acl_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A redis-server that speaks TLS only, asks for client certificates and knows one
+    ACL user: replicas with the CA, a certificate and the user's password share; one
+    with a wrong password cannot sync and serves on its own view."""
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    client_cert = ca.issue_cert("tailguard-replica")
+    files = {}
+    for name, blob in (("ca.pem", ca.cert_pem), ("server.pem", server_cert.cert_chain_pems[0]),
+                       ("server.key", server_cert.private_key_pem),
+                       ("client.pem", client_cert.cert_chain_pems[0]),
+                       ("client.key", client_cert.private_key_pem)):
+        path = tmp_path / name
+        blob.write_to_path(str(path))
+        files[name] = str(path)
+    monkeypatch.setenv("TG_REDIS_PW", "s3cret")
+    monkeypatch.setenv("TG_REDIS_BAD_PW", "wrong")
+    tls = {"tls_ca_file": files["ca.pem"], "tls_cert_file": files["client.pem"],
+           "tls_key_file": files["client.key"], "username": "tg"}
+
+    async def body() -> None:
+        engines = [await FakeEngine(n).start() for n in ("e0", "e1")]
+        try:
+            with redis_server(tls=(files["ca.pem"], files["server.pem"], files["server.key"]),
+                              users=("tg on >s3cret ~tailguard:* +@all",)) as server:
+                assert server.url.startswith("rediss://")
+                da = doc(engines, server, "a", password_env="TG_REDIS_PW", **tls)
+                db = doc(engines, server, "b", password_env="TG_REDIS_PW", **tls)
+                dc = doc(engines, server, "c", password_env="TG_REDIS_BAD_PW", **tls)
+                async with run_gateway(parse_fleet(da)) as a, \
+                        run_gateway(parse_fleet(db)) as b, run_gateway(parse_fleet(dc)) as c, \
+                        aiohttp.ClientSession() as s:
+                    sa, sb, sc = a.fleet.shared, b.fleet.shared, c.fleet.shared
+                    assert sa is not None and sb is not None and sc is not None
+                    await wait_for(lambda: sa.replicas == 2 and sb.replicas == 2, timeout=5.0,
+                                   what="a and b met over TLS")
+                    a.fleet.set_state("e1", NodeState.CORDONED)
+                    await wait_for(lambda: states(b)["e1"] is NodeState.CORDONED, timeout=2.0,
+                                   what="b obeys a's cordon")
+                    assert not sc.up and sc.errors > 0 and sc.syncs == 0
+                    assert states(c)["e1"] is NodeState.HEALTHY  # it never heard
+                    assert await chat(s, c) == 200  # and serves on its own view
+                # Without a client certificate, or in plain text, Redis is not reachable.
+                for url, extra in ((server.url, {"ssl_ca_certs": files["ca.pem"]}),
+                                   (server.url.replace("rediss://", "redis://"), {})):
+                    bare = Redis.from_url(url, username="tg", password="s3cret",
+                                          socket_timeout=1.0, **extra)
+                    with pytest.raises(Exception):  # noqa: B017 (any refusal will do)
+                        await bare.ping()
+                    await bare.aclose()
         finally:
             for e in engines:
                 await e.stop()

@@ -191,7 +191,7 @@ class SharedState:
                         "what the replicas share", cfg.url)
         self._redis = Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
                                      socket_connect_timeout=cfg.timeout_s,
-                                     health_check_interval=0)
+                                     health_check_interval=0, **cfg.connection())
         self._script = self._redis.register_script(_SYNC)
         self._task = asyncio.create_task(self._loop(), name="shared-state")
 

@@ -7,9 +7,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tailguard.config import Block, parse_core
+from tailguard.config import Block, FieldError, parse_core
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,12 @@ class SharedStateConfig:
     keys, every report and operator action carries an HMAC-SHA256 and any
     entry without a valid one is refused; without, any writer to the store
     can steer the fleet (the gateway warns at start).
+
+    ``username`` and ``password_env``: a Redis ACL user and the variable
+    holding its password. ``tls_ca_file``, ``tls_cert_file``,
+    ``tls_key_file``: with a ``rediss://`` URL, the CA that signed the
+    server's certificate (default: the system's), and this replica's client
+    certificate and key where the server asks for one.
     """
 
     url: str
@@ -37,6 +43,11 @@ class SharedStateConfig:
     ttl_s: float = 2.0
     timeout_s: float = 0.5
     key_env: str | None = None
+    username: str | None = None
+    password_env: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     def keys(self) -> tuple[bytes, ...]:
         """The shared keys from ``key_env`` (none: unsigned; the variable must be set
@@ -45,6 +56,23 @@ class SharedStateConfig:
             return ()
         raw = os.environ.get(self.key_env, "")
         return tuple(k.strip().encode() for k in raw.split(",") if k.strip())
+
+
+    def connection(self) -> dict[str, Any]:
+        """The client's connection options beyond the URL (ACL user, password, TLS)."""
+        out: dict[str, Any] = {}
+        if self.username is not None:
+            out["username"] = self.username
+        if self.password_env is not None:
+            out["password"] = os.environ.get(self.password_env, "")
+        if self.url.startswith("rediss://"):
+            out["ssl_cert_reqs"] = "required"
+            if self.tls_ca_file is not None:
+                out["ssl_ca_certs"] = self.tls_ca_file
+            if self.tls_cert_file is not None:
+                out["ssl_certfile"] = self.tls_cert_file
+                out["ssl_keyfile"] = self.tls_key_file
+        return out
 
 
 def default_replica() -> str:
@@ -67,8 +95,30 @@ class SharedStateBlock(Block):
     ttl_s: float | None = Field(None, ge=0.05)
     timeout_s: float | None = Field(None, ge=0.01)
     key_env: str | None = Field(None, min_length=1)
+    username: str | None = Field(None, min_length=1)
+    password_env: str | None = Field(None, min_length=1)
+    tls_ca_file: str | None = Field(None, min_length=1)
+    tls_cert_file: str | None = Field(None, min_length=1)
+    tls_key_file: str | None = Field(None, min_length=1)
 
-    @field_validator("key_env")
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None:
+            url = info.data.get("url", "")
+            if not url.startswith("rediss://"):
+                raise ValueError("applies to a rediss:// URL")
+            if not os.path.isfile(path):
+                raise ValueError(f"no such file: {path}")
+        return path
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> SharedStateBlock:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise FieldError("tls_key_file", "give tls_cert_file and tls_key_file together")
+        return self
+
+    @field_validator("key_env", "password_env")
     @classmethod
     def _set(cls, name: str | None) -> str | None:
         # An unset variable is a deployment mistake that would leave the fleet unsigned.
@@ -103,7 +153,8 @@ class SharedStateBlock(Block):
         ttl = self.ttl_s if self.ttl_s is not None else max(2.0, 4 * self.period_s)
         timeout = self.timeout_s if self.timeout_s is not None else min(0.5, ttl / 2)
         return SharedStateConfig(self.url, self.replica, self.namespace, self.period_s, ttl,
-                                 timeout, self.key_env)
+                                 timeout, self.key_env, self.username, self.password_env,
+                                 self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
 
 
 def parse_shared_state(raw: Any) -> SharedStateConfig | None:
