@@ -225,3 +225,36 @@ def test_buffered_body_mode_routes_through_the_picker() -> None:
             assert metric(epp, "tailguard_requests_total", {"pool": MODEL, "code": "200"}) == 2
 
     run(body)
+
+
+@pytest.mark.parametrize(("body_mode", "trailers"), [
+    # Envoy refuses FULL_DUPLEX_STREAMED without trailers SEND.
+    ("FULL_DUPLEX_STREAMED", "SEND"), ("STREAMED", "SEND"), ("BUFFERED", "SKIP"),
+    ("BUFFERED_PARTIAL", "SKIP")],
+    ids=["reference", "streamed-trailers", "buffered", "buffered-partial"])
+def test_one_filter_in_each_response_body_mode(body_mode: str, trailers: str) -> None:
+    """GIE's reference shape (one filter, full duplex both ways, trailers sent) and its
+    neighbours: plain and streamed answers reach the client whole, a dead node before
+    the first byte is walked past, and every permit comes back once."""
+    async def body() -> None:
+        async with emulated(["H100", "A100", "L4"], pool=LIMITED) as (servers, cfg), \
+                picker(cfg) as epp, \
+                envoy(cfg, f"127.0.0.1:{epp.grpc_port}", observer=False,
+                      response_body_mode=body_mode, response_trailer_mode=trailers) as ev:
+            c = client(ev.url)
+            try:
+                chat = await c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=6)
+                assert chat.usage is not None and chat.usage.completion_tokens == 6
+                assert chat.choices[0].message.content
+                text, usage = await stream_text(c)
+                assert text and usage == 8
+                results = await asyncio.gather(*(stream_text(c, 5) for _ in range(9)))
+                assert all(u == 5 and t for t, u in results)
+            finally:
+                await c.close()
+            await settled(epp)
+            assert "Spurious" not in ev.log(), ev.log()[-2000:]
+            answered = metric(epp, "tailguard_requests_total", {"pool": MODEL, "code": "200"})
+            assert answered == 11
+
+    run(body)

@@ -115,13 +115,14 @@ def _epp_cluster(picker: str) -> dict[str, Any]:
     }
 
 
-def _ext_proc_filters(observer: bool, failure_mode_allow: bool,
-                      message_timeout_s: float) -> list[dict[str, Any]]:
+def _ext_proc_filters(observer: bool, failure_mode_allow: bool, message_timeout_s: float,
+                      response_body_mode: str = "STREAMED",
+                      response_trailer_mode: str = "SKIP") -> list[dict[str, Any]]:
     """The picker's filter, then the observer's where there is one."""
     filters: list[dict[str, Any]] = []
     grpc_service = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "60s"}
-    response = {"response_header_mode": "SEND", "response_body_mode": "STREAMED",
-                "response_trailer_mode": "SKIP"}
+    response = {"response_header_mode": "SEND", "response_body_mode": response_body_mode,
+                "response_trailer_mode": response_trailer_mode}
     skip = {"response_header_mode": "SKIP", "response_body_mode": "NONE",
             "response_trailer_mode": "SKIP"}
     filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
@@ -149,7 +150,9 @@ def _ext_proc_filters(observer: bool, failure_mode_allow: bool,
             "@type": EXT_PROC, "grpc_service": grpc_service, "observability_mode": True,
             "failure_mode_allow": True, "deferred_close_timeout": "1s",
             "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
-                                "request_trailer_mode": "SKIP", **response}}})
+                                "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
+                                "response_body_mode": "STREAMED",
+                                "response_trailer_mode": "SKIP"}}})
     return filters
 
 
@@ -182,14 +185,20 @@ def _virtual_host(retries: int, picker: bool, observer: bool) -> dict[str, Any]:
 def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int = 9901,
                     picker: str | None = None, failure_mode_allow: bool = False,
                     retries: int = 2, host: str = "127.0.0.1",
-                    message_timeout_s: float = 30.0, observer: bool = True) -> dict[str, Any]:
+                    message_timeout_s: float = 30.0, observer: bool = True,
+                    response_body_mode: str = "STREAMED",
+                    response_trailer_mode: str = "SKIP") -> dict[str, Any]:
     """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
     the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
-    bounds one picker reply, and so how long a request may wait in tailguard's queue."""
+    bounds one picker reply, and so how long a request may wait in tailguard's queue.
+    ``response_body_mode``/``response_trailer_mode``: how the one-filter shape (no
+    observer) sends the response (``FULL_DUPLEX_STREAMED`` and ``SEND``: GIE's
+    reference deployments)."""
     clusters = [_engines_cluster(config, picker is not None)]
     filters: list[dict[str, Any]] = []
     if picker is not None:
-        filters = _ext_proc_filters(observer, failure_mode_allow, message_timeout_s)
+        filters = _ext_proc_filters(observer, failure_mode_allow, message_timeout_s,
+                                    response_body_mode, response_trailer_mode)
         clusters.append(_epp_cluster(picker))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
     vhost = _virtual_host(retries, picker is not None, observer)

@@ -86,3 +86,10 @@ def body_echo(body: bytes) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse(
         response=pb.CommonResponse(body_mutation=pb.BodyMutation(
             streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True)))))
+
+
+def streamed_body(chunk: bytes, end: bool) -> pb.ProcessingResponse:
+    """A response body chunk sent back in full-duplex mode, unchanged."""
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+            body=chunk, end_of_stream=end)))))

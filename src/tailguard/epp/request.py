@@ -79,6 +79,8 @@ class PickedRequest(ResponseSide):
         self.t0 = time.monotonic()
         self.headers: dict[str, str] = {}
         self.duplex = False  # body streamed both ways: the headers reply waits for its end
+        # The response body in full duplex too: Envoy forwards only what comes back.
+        self.response_duplex = False
         # The picker's stream does not carry the response: an observer's will (or, where
         # Envoy did not say, a clean close of the picker's stream says so).
         self.observed_elsewhere: bool | None = None
@@ -106,8 +108,8 @@ class PickedRequest(ResponseSide):
         if kind == "response_headers":
             return self._response_headers(msg)
         if kind == "response_trailers":
-            out = self._response_body(b"", True)
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse()), *out[1:]]
+            self._response_body(b"", True, reply=False)  # the body's end, answered already
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         if kind == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         return []
@@ -117,6 +119,7 @@ class PickedRequest(ResponseSide):
         self.subset = metadata(msg, SUBSET_NAMESPACE, SUBSET)  # it comes with the headers
         if msg.HasField("protocol_config"):
             self.duplex = msg.protocol_config.request_body_mode == DUPLEX
+            self.response_duplex = msg.protocol_config.response_body_mode == DUPLEX
             self.observed_elsewhere = msg.protocol_config.response_body_mode == NO_BODY
         if msg.request_headers.end_of_stream:
             return [self._bodyless()]

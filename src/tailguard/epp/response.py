@@ -26,6 +26,7 @@ from tailguard.epp.protocol import (
     immediate,
     metadata,
     read_headers,
+    streamed_body,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class ResponseSide:
     t_first: float
     tell_at: float  # when the detector next wants the stream's progress
     counted: bool
+    response_duplex: bool  # FULL_DUPLEX_STREAMED response body: each chunk is sent back
 
     def observe(self, msg: pb.ProcessingRequest) -> None:
         """A message of the observer stream: the response side only (the picker
@@ -117,7 +119,7 @@ class ResponseSide:
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
                 set_headers=set_headers, remove_headers=[SERVED]))))
         if msg.response_headers.end_of_stream:
-            return [reply, *self._response_body(b"", True)[1:]]
+            self._response_body(b"", True, reply=False)  # no body: the answer ends here
         return [reply]
 
     def _walk(self, target: int, now: float) -> None:
@@ -157,11 +159,17 @@ class ResponseSide:
         return Failure(Outcome.CONNECT_FAILURE, 502, f"node {node_id} could not be reached "
                        f"({status} from the data plane)", "upstream_connect_failed")
 
-    def _response_body(self, chunk: bytes, end: bool) -> list[pb.ProcessingResponse]:
+    def _response_body(self, chunk: bytes, end: bool,
+                       reply: bool = True) -> list[pb.ProcessingResponse]:
+        """Account for one chunk of the answer; the reply Envoy waits for (``reply``):
+        in full-duplex mode the chunk itself, streamed back (Envoy forwards only that),
+        else the chunk let through unchanged."""
+        out = ([streamed_body(chunk, end)] if self.response_duplex else [CONTINUE_BODY]) \
+            if reply else []
         ex = self.ex
         copy = self.copy
         if ex is None or copy is None or ex.ended is not None:
-            return [CONTINUE_BODY]
+            return out
         counter = self.counter
         if counter is not None:
             if chunk:
@@ -177,7 +185,7 @@ class ResponseSide:
             self.tail = tail[-_TAIL:] if len(tail) > _TAIL else tail
         if end:
             self._finish(ex, copy)
-        return [CONTINUE_BODY]
+        return out
 
     def _finish(self, ex: Exchange, copy: Copy) -> None:
         now = time.monotonic()
