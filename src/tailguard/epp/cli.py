@@ -43,7 +43,7 @@ def cmd_epp(args: argparse.Namespace) -> int:
     loop_factory = uvloop_factory if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0" else None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
-                             http_host, http_port, objectives))
+                             http_host, http_port, objectives, args.single_endpoint))
     return 0
 
 
@@ -55,7 +55,10 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     sys.stdout.write(envoy_yaml(config, port=args.port, admin_port=args.admin_port,
                                 picker=args.picker, failure_mode_allow=args.failure_mode_allow,
                                 retries=args.retries, host=args.host,
-                                observer=not args.no_observer))
+                                observer=not args.no_observer,
+                                response_body_mode=args.response_body_mode,
+                                response_trailer_mode=args.response_trailer_mode,
+                                original_dst=args.original_dst))
     return 0
 
 
@@ -74,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--objective", action="append", metavar="NAME=PRIORITY",
                    help="priority of an x-gateway-inference-objective name (repeatable); "
                         "critical, standard and sheddable are known")
+    p.add_argument("--single-endpoint", action="store_true",
+                   help="name the chosen endpoint alone, no fallback list: for data planes "
+                        "that route on x-gateway-destination-endpoint by itself (an "
+                        "ORIGINAL_DST cluster)")
     p.add_argument("--log-level", default=os.environ.get("TAILGUARD_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default=os.environ.get("TAILGUARD_LOG_FORMAT", "text"),
@@ -95,4 +102,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "waits for the picker), instead of an observer in observability mode")
     p.add_argument("--failure-mode-allow", action="store_true",
                    help="with the picker down, route by least request instead of failing")
+    p.add_argument("--response-body-mode", default="STREAMED",
+                   choices=["NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL",
+                            "FULL_DUPLEX_STREAMED"],
+                   help="how the one filter (--no-observer) sends the response body "
+                        "(FULL_DUPLEX_STREAMED with --response-trailer-mode SEND: GIE's "
+                        "reference shape)")
+    p.add_argument("--response-trailer-mode", default="SKIP", choices=["SEND", "SKIP"])
+    p.add_argument("--original-dst", action="store_true",
+                   help="route on the picker's header alone (an ORIGINAL_DST cluster; run "
+                        "the picker with --single-endpoint)")
     p.set_defaults(func=cmd_envoy_config)

@@ -23,7 +23,9 @@ with the explanation. Two shapes:
 
 Why not an ``ORIGINAL_DST`` cluster (``use_http_header``)? It routes on one
 address only: its retries can only go back to the same endpoint, so the
-picker's fallback list would be lost. ``override_host`` walks it, as
+picker's fallback list would be lost. Data planes built that way still exist
+(older llm-d and GIE guides): ``original_dst=True`` writes one, for a picker
+run with ``--single-endpoint``. ``override_host`` walks it, as
 Istio's and Envoy Gateway's InferencePool support do; its cluster lists the
 pool's endpoints (on Kubernetes: from the InferencePool, via EDS).
 
@@ -83,8 +85,17 @@ def _upstream_options(protocol: str, idle_timeout: str | None = None) -> dict[st
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": options}
 
 
-def _engines_cluster(config: FleetConfig, picker: bool) -> dict[str, Any]:
-    """The engines; with a picker, routed to the endpoint it names (override_host)."""
+def _engines_cluster(config: FleetConfig, picker: bool,
+                     original_dst: bool = False) -> dict[str, Any]:
+    """The engines; with a picker, routed to the endpoint it names (override_host, or
+    ``original_dst``: the address in the header, one endpoint)."""
+    if picker and original_dst:
+        return {"name": "engines", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                "connect_timeout": "1s",
+                "original_dst_lb_config": {"use_http_header": True,
+                                           "http_header_name": DESTINATION},
+                "typed_extension_protocol_options": _upstream_options("http",
+                                                                      idle_timeout="4s")}
     nodes = [(n.host, n.port) for n in config.nodes]
     cluster: dict[str, Any] = {
         "name": "engines", "type": "STATIC", "connect_timeout": "1s",
@@ -187,14 +198,16 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
                     retries: int = 2, host: str = "127.0.0.1",
                     message_timeout_s: float = 30.0, observer: bool = True,
                     response_body_mode: str = "STREAMED",
-                    response_trailer_mode: str = "SKIP") -> dict[str, Any]:
+                    response_trailer_mode: str = "SKIP",
+                    original_dst: bool = False) -> dict[str, Any]:
     """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
     the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
     bounds one picker reply, and so how long a request may wait in tailguard's queue.
     ``response_body_mode``/``response_trailer_mode``: how the one-filter shape (no
     observer) sends the response (``FULL_DUPLEX_STREAMED`` and ``SEND``: GIE's
-    reference deployments)."""
-    clusters = [_engines_cluster(config, picker is not None)]
+    reference deployments). ``original_dst``: an ``ORIGINAL_DST`` cluster routing on
+    the header alone (run the picker with ``--single-endpoint``)."""
+    clusters = [_engines_cluster(config, picker is not None, original_dst)]
     filters: list[dict[str, Any]] = []
     if picker is not None:
         filters = _ext_proc_filters(observer, failure_mode_allow, message_timeout_s,

@@ -36,6 +36,14 @@ same :class:`~tailguard.core.exchange.Exchange` as ``tailguard serve``:
   counted as the proxy counts it (:class:`~tailguard.adapters.sse.SseCounter`:
   events and the usage chunk, never a chunk's JSON parsed).
 
+With ``single_endpoint`` (``tailguard epp --single-endpoint``) the header and
+the metadata name the chosen endpoint alone: the setting for data planes that
+route on the header by itself (an ``ORIGINAL_DST`` cluster with
+``use_http_header``, older llm-d and GIE guides), which take one
+``ip:port`` and whose retries go back to it. The picker then learns of a
+failure from the response and charges the node; the next requests go
+elsewhere.
+
 Two shapes of Envoy configuration work (``tailguard envoy-config``):
 
 * **one filter** (GIE's reference shape): the response goes through the
@@ -92,8 +100,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def __init__(self, fleet: LiveFleet, metrics: GatewayMetrics,
                  objectives: dict[str, int] | None = None,
-                 gate: AdmissionGate | None = None) -> None:
+                 gate: AdmissionGate | None = None, single_endpoint: bool = False) -> None:
         self.fleet = fleet
+        # Name one endpoint, no fallback list: for data planes that route on the header
+        # alone (an ORIGINAL_DST cluster takes one ip:port, and retries go back to it).
+        self.single_endpoint = single_endpoint
         self.metrics = metrics
         # The pump of the pools' queues: the proxy's own where both run on one fleet.
         self.gate = gate or AdmissionGate(fleet, metrics)

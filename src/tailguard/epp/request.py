@@ -210,8 +210,9 @@ class PickedRequest(ResponseSide):
         fleet = self.picker.fleet
         self.copy = copy
         addresses = fleet.addresses()
-        self.endpoints = [addresses[copy.node_id]] + [addresses[n] for n in
-                                                      ex.fallbacks(time.monotonic())]
+        self.endpoints = [addresses[copy.node_id]]
+        if not self.picker.single_endpoint:
+            self.endpoints += [addresses[n] for n in ex.fallbacks(time.monotonic())]
         value = ",".join(self.endpoints)
         reply = self.picker.routing_reply(value, fleet.nodes[copy.node_id].upstream_api_key(),
                                           self.duplex)

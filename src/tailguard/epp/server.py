@@ -70,11 +70,13 @@ class RunningPicker:
 async def start_epp(config: FleetConfig, grpc_port: int = 9002, health_port: int = 9003,
                     host: str = "127.0.0.1", http_host: str | None = None,
                     http_port: int | None = None, rng: Random | None = None,
-                    objectives: dict[str, int] | None = None) -> RunningPicker:
+                    objectives: dict[str, int] | None = None,
+                    single_endpoint: bool = False) -> RunningPicker:
     """Start the picker (port 0: a free one, for each of the three)."""
     gw = await start_gateway(config, http_host, http_port, rng)
     try:
-        picker = EndpointPicker(gw.fleet, gw.metrics, objectives, gw.app[PROXY].gate)
+        picker = EndpointPicker(gw.fleet, gw.metrics, objectives, gw.app[PROXY].gate,
+                                single_endpoint)
         # A buffered body comes in one message: room for the largest the fleet accepts.
         size = config.max_body_bytes + (1 << 20)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
@@ -120,9 +122,10 @@ async def run_epp(config: FleetConfig, **kwargs: object) -> AsyncIterator[Runnin
 
 async def serve_epp(config: FleetConfig, grpc_port: int, health_port: int, host: str,
                     http_host: str | None, http_port: int | None,
-                    objectives: dict[str, int] | None = None) -> None:
+                    objectives: dict[str, int] | None = None,
+                    single_endpoint: bool = False) -> None:
     epp = await start_epp(config, grpc_port, health_port, host, http_host, http_port,
-                          objectives=objectives)
+                          objectives=objectives, single_endpoint=single_endpoint)
     collector = start_gc_tuning()  # as under serve: every message allocates
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
