@@ -230,8 +230,8 @@ def test_buffered_body_mode_routes_through_the_picker() -> None:
 @pytest.mark.parametrize(("body_mode", "trailers"), [
     # Envoy refuses FULL_DUPLEX_STREAMED without trailers SEND.
     ("FULL_DUPLEX_STREAMED", "SEND"), ("STREAMED", "SEND"), ("BUFFERED", "SKIP"),
-    ("BUFFERED_PARTIAL", "SKIP")],
-    ids=["reference", "streamed-trailers", "buffered", "buffered-partial"])
+    ("BUFFERED_PARTIAL", "SKIP"), ("NONE", "SKIP")],
+    ids=["reference", "streamed-trailers", "buffered", "buffered-partial", "none"])
 def test_one_filter_in_each_response_body_mode(body_mode: str, trailers: str) -> None:
     """GIE's reference shape (one filter, full duplex both ways, trailers sent) and its
     neighbours: plain and streamed answers reach the client whole and every permit
@@ -256,5 +256,7 @@ def test_one_filter_in_each_response_body_mode(body_mode: str, trailers: str) ->
             assert "Spurious" not in ev.log(), ev.log()[-2000:]
             answered = metric(epp, "tailguard_requests_total", {"pool": MODEL, "code": "200"})
             assert answered == 11
+            served = sum(n.dispatched_total for n in epp.gateway.fleet.balancer.nodes.values())
+            assert served == 11
 
     run(body)

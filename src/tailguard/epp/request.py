@@ -266,6 +266,12 @@ class PickedRequest(ResponseSide):
             self.close()
         elif self.observed and not self.observer_done:
             return
+        elif self.answered and self.observed_elsewhere and not self.observed:
+            # One filter that takes the response headers but no body (mode NONE): Envoy
+            # closes the stream once it has them, and the answer's end is never seen, so
+            # the request is released as served then (see deploy/envoy/README.md).
+            self._unseen_body_ended()
+            self.close()
         elif self.copy is None or self.answered or self.rid is None or self.observer_done \
                 or not (ended if self.observed_elsewhere is None else self.observed_elsewhere):
             self.close()

@@ -56,6 +56,28 @@ class ResponseSide:
     tell_at: float  # when the detector next wants the stream's progress
     counted: bool
     response_duplex: bool  # FULL_DUPLEX_STREAMED response body: each chunk is sent back
+    observed_elsewhere: bool | None  # the picker's filter takes no response body
+    observed: bool  # an observer stream joined
+
+    @property
+    def response_body_unseen(self) -> bool:
+        """The picker's filter takes the response headers but no body, and no observer
+        stream brings it: the first byte and the stream's end are all there is."""
+        return bool(self.observed_elsewhere) and not self.observed
+
+    def _unseen_body_ended(self) -> None:
+        """The answer ended, its body unseen: served, its tokens unknown, its pace not
+        learned (nothing but its first byte was timed)."""
+        ex, copy = self.ex, self.copy
+        if ex is None or copy is None or ex.ended is not None or self.status >= 400:
+            return
+        now = time.monotonic()
+        model = ex.request.model
+        if self.counter is not None:
+            ex.stream_ended(copy, now, tokens=0, timed=False)
+        else:
+            ex.finished(copy, now, Outcome.OK, 0, timed=False)
+        self._count(model, self.status)
 
     def observe(self, msg: pb.ProcessingRequest) -> None:
         """A message of the observer stream: the response side only (the picker
@@ -115,6 +137,9 @@ class ResponseSide:
             self._count(model, status)
         elif status < 400 and ex.request.stream and node is not None:
             self.counter = SseCounter()
+            if self.response_body_unseen:  # mode NONE: the headers come with the first byte
+                self.t_first = now
+                ex.first_chunk(copy, now, defer_prefill=True)
         reply = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
                 set_headers=set_headers, remove_headers=[SERVED]))))
