@@ -44,6 +44,14 @@ def add_parser(sub: Any) -> None:
                         "holding one) with an arrival rate or a trace: its requests at their "
                         "times, shared prefixes as shared text (sessions, Mooncake traces); "
                         "its duration_s replaces --duration")
+    g.add_argument("--trace", metavar="FILE",
+                   help="replay a trace at its times: tailguard's or Mooncake's JSONL, a "
+                        "gateway recording, or the Azure or BurstGPT CSV (--duration seconds "
+                        "of it, from --trace-start)")
+    p.add_argument("--trace-start", type=float, default=0.0, metavar="S",
+                   help="with --trace: start this many seconds into it (default 0)")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="with --trace: replay it this many times faster (default 1)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default 30)")
     p.add_argument("--input-tokens", default="200", metavar="DIST",
                    help="prompt lengths: 200, fixed:200, uniform:10,100, lognormal:6.6,1.0, "
@@ -85,6 +93,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     duration = args.duration
     if getattr(args, "workload", None):
         workload, duration = load_bench_workload(args.workload, args.seed)
+    elif getattr(args, "trace", None):
+        workload = trace_workload(args.trace, args.trace_start, args.speedup, duration,
+                                  args.seed)
     try:
         return BenchConfig(
             target=args.target, model=args.model, rate=args.rate, concurrency=args.concurrency,
@@ -113,6 +124,25 @@ def load_bench_workload(path: str, seed: int) -> tuple[Requests, float]:
         raise ConfigError("workload.arrival.load", "a benchmark knows no fleet capacity: give "
                                                    "a rate (requests/s; a trace: or time_scale)")
     return generate(spec, None, random.Random(f"{seed}:workload")), spec.duration_s
+
+
+def trace_workload(path: str, start_s: float, speedup: float, duration_s: float,
+                   seed: int) -> Requests:
+    """``--trace``: the trace's requests in ``[start_s, start_s + duration_s)`` of its
+    own time, replayed ``speedup`` times faster (the same rules as a workload's)."""
+    for flag, value, low in (("--trace-start", start_s, 0.0), ("--speedup", speedup, 0.0)):
+        if not value >= low or (flag == "--speedup" and value == 0.0):
+            raise ConfigError(flag, f"must be {'> 0' if flag == '--speedup' else '>= 0'}, "
+                                    f"got {value}")
+    spec = parse_workload({"duration_s": duration_s,
+                           "arrival": {"process": "trace", "path": str(Path(path).resolve()),
+                                       "start_s": start_s, "speedup": speedup}},
+                          "--trace", None)
+    requests = generate(spec, None, random.Random(f"{seed}:workload"))
+    if not len(requests):
+        raise ConfigError("--trace", f"{path}: no request in the {duration_s:g} s from "
+                                     f"{start_s:g} s")
+    return requests
 
 
 def _f(x: float, digits: int = 3) -> str:

@@ -1,17 +1,31 @@
 """Request lists and trace files: what the simulator replays.
 
 :class:`Requests` is a workload once drawn (parallel lists sorted by arrival).
-:func:`read_trace` reads tailguard's JSONL traces, Mooncake's FAST'25 traces
-(with prompt block hashes) and a gateway's ``--record`` file;
-:func:`write_trace` writes tailguard's format back exactly.
+:func:`read_trace` reads, detecting the format from the file itself:
+
+* tailguard's JSONL (``t`` in seconds, ``input_tokens``, ``output_tokens``);
+* Mooncake's FAST'25 release (JSONL: ``timestamp`` in ms, ``input_length``,
+  ``output_length``, ``hash_ids`` of 512-token prompt blocks);
+* a gateway's ``--record`` file (JSONL of balancer inputs);
+* the Azure LLM inference traces, 2023 and 2024 releases (CSV:
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``, the timestamp a date and time
+  with up to 7 decimals of a second), as the Splitwise and DynamoLLM papers
+  published them;
+* BurstGPT (CSV: ``Timestamp,Model,Request tokens,Response tokens,Total
+  tokens,Log Type``, the timestamp in seconds).
+
+Times start at the first request's. :func:`write_trace` writes tailguard's
+format back exactly.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +64,19 @@ class Requests:
 
     def __len__(self) -> int:
         return len(self.arrival_s)
+
+
+def window(requests: Requests, start_s: float) -> Requests:
+    """The requests from ``start_s`` on, their times counted from it."""
+    if start_s <= 0.0:
+        return requests
+    first = next((i for i, t in enumerate(requests.arrival_s) if t >= start_s),
+                 len(requests.arrival_s))
+    return Requests([t - start_s for t in requests.arrival_s[first:]],
+                    requests.input_tokens[first:], requests.output_tokens[first:],
+                    requests.blocks[first:] if requests.blocks is not None else None,
+                    requests.block_tokens,
+                    requests.session[first:] if requests.session is not None else None)
 
 
 def write_trace(path: str | Path, requests: Requests) -> None:
@@ -97,23 +124,89 @@ def _row_counts(row: Mapping[str, Any], keys: tuple[str, str], at: str,
     return counts
 
 
-def read_trace(path: str | Path, where: str = "trace") -> Requests:
-    """Read a JSONL trace, sorted by time (stable for equal times).
+# CSV formats: their header's columns for (time, prompt tokens, answer tokens).
+CSV_FORMATS: dict[str, tuple[str, str, str]] = {
+    "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "burstgpt": ("Timestamp", "Request tokens", "Response tokens"),
+}
 
-    Two formats: tailguard's (``t`` in seconds, ``input_tokens``,
-    ``output_tokens``) and Mooncake's FAST'25 release (``timestamp`` in ms,
-    ``input_length``, ``output_length``, ``hash_ids`` of 512-token prompt
-    blocks, which the engines' prefix caches key on). Blank lines are skipped
-    and unknown keys ignored. A bad line raises a :class:`ConfigError` on
-    ``where`` that names the file and line.
-    """
+
+def read_trace(path: str | Path, where: str = "trace") -> Requests:
+    """Read a trace in any of the module docstring's formats, sorted by time (stable
+    for equal times). Blank lines are skipped and unknown keys or columns ignored.
+    A bad line raises a :class:`ConfigError` on ``where`` that names the file, the
+    line and, in a CSV, the column."""
     file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(where, f"cannot read trace {file}: {reason or exc}") from exc
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first and not first.startswith("{"):
+        return _read_csv(text, file, where)
+    return _read_jsonl(text, file, where)
+
+
+def _read_csv(text: str, file: Path, where: str) -> Requests:
+    reader = csv.reader(line for line in text.splitlines() if line.strip())
+    header = [h.strip() for h in next(reader)]
+    found = next(((name, columns) for name, columns in CSV_FORMATS.items()
+                  if all(c in header for c in columns)), None)
+    if found is None:
+        known = "; ".join(f"{k}: {', '.join(v)}" for k, v in CSV_FORMATS.items())
+        raise ConfigError(where, f"{file}:1: not a trace format tailguard reads (JSONL with "
+                                 f"t or timestamp, or CSV with the columns of {known})")
+    name, columns = found
+    cols = [header.index(c) for c in columns]
+    rows: list[tuple[float, int, int]] = []
+    for lineno, record in enumerate(reader, start=2):
+        at = f"{file}:{lineno}"
+        if len(record) < len(header):
+            raise ConfigError(where, f"{at}: {len(record)} columns, the header has "
+                                     f"{len(header)}")
+        stamp = record[cols[0]].strip()
+        t = _azure_time(stamp) if name == "azure" else _number(stamp)
+        if t is None or not math.isfinite(t) or (name != "azure" and t < 0.0):
+            raise ConfigError(where, f"{at}: column {header[cols[0]]!r}: not a time: "
+                                     f"{stamp[:40]!r}")
+        counts = []
+        for c in cols[1:]:
+            value = _number(record[c].strip())
+            if value is None or value < 0 or value != int(value):
+                raise ConfigError(where, f"{at}: column {header[c]!r}: not a token count: "
+                                         f"{record[c][:40]!r}")
+            # A logged failure has no answer (0 tokens): replayed as a one-token one.
+            counts.append(min(max(1, int(value)), TOKEN_CAP))
+        rows.append((t, counts[0], counts[1]))
+    if not rows:
+        raise ConfigError(where, f"{file}: the trace holds no requests")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return Requests([r[0] - t0 for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _azure_time(text: str) -> float | None:
+    """``2023-11-16 18:15:46.6805900`` (seconds since the epoch; more than six decimals
+    are cut, which datetime does not read)."""
+    head, dot, frac = text.partition(".")
+    try:
+        stamp = datetime.fromisoformat(f"{head}.{frac[:6]}" if dot else head)
+    except ValueError:
+        return None
+    return stamp.replace(tzinfo=UTC).timestamp()
+
+
+def _read_jsonl(text: str, file: Path, where: str) -> Requests:
     rows: list[tuple[float, int, int]] = []
     hashed: list[tuple[float, int, int, tuple[int, ...]]] = []
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(where, f"cannot read trace {file}: {exc.strerror or exc}") from exc
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -198,9 +291,11 @@ def requests_from_recording(text: str, where: str, file: Path) -> Requests:
 
 
 __all__ = [
+    "CSV_FORMATS",
     "MOONCAKE_BLOCK_TOKENS",
     "Requests",
     "read_trace",
     "requests_from_recording",
+    "window",
     "write_trace",
 ]

@@ -22,12 +22,16 @@ Arrival processes (``process``)
     i.e. cv 2; the Azure 2023 code trace has cv about 13), ``cv < 1`` is more
     regular, and ``cv = 1`` is Poisson.
 ``trace``
-    A JSONL file, one request a line: ``{"t": seconds, "input_tokens": n,
-    "output_tokens": m}`` (other keys are ignored, lines may be in any order).
-    ``t`` counts seconds from the start of the run. Optionally ``speedup``
-    (divide every ``t``), or ``rate``/``load`` (stretch the times so the
-    trace's mean rate, ``n / t_last``, becomes that rate). A length
-    distribution given next to a trace replaces that column of the trace.
+    A trace file (``path``): tailguard's JSONL, one request a line
+    (``{"t": seconds, "input_tokens": n, "output_tokens": m}``, other keys
+    ignored, lines in any order), Mooncake's JSONL, a gateway's recording, or
+    the Azure or BurstGPT CSV (:mod:`tailguard.traffic.traces` detects which).
+    Times count from its first request. Optionally ``start_s`` (the window
+    starts that far into the trace; the workload's ``duration_s`` ends it),
+    and ``speedup`` (divide every time), or ``rate``/``load`` (stretch the
+    times so the trace's mean rate, ``n / t_last``, becomes that rate, its
+    bursts kept). A length distribution given next to a trace replaces that
+    column of the trace.
 
 Poisson and gamma take exactly one of ``rate`` (requests per second) or
 ``load`` (a fraction of the fleet's capacity, which the simulator turns into a
@@ -72,7 +76,7 @@ from tailguard.traffic.lengths import (
     parse_length_dist,
 )
 from tailguard.traffic.sessions import PrefixSpec, generate_sessions, parse_prefix
-from tailguard.traffic.traces import Requests, read_trace, write_trace
+from tailguard.traffic.traces import Requests, read_trace, window, write_trace
 
 __all__ = [
     "DISTS",
@@ -115,6 +119,7 @@ class ArrivalSpec:
     path: Path | None = None
     speedup: float = 1.0
     time_scale: float = 1.0  # multiplies a trace's times (0.5 replays it twice as fast)
+    start_s: float = 0.0  # a trace's window starts this far in (before any scaling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +153,8 @@ def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpe
     if process not in PROCESSES:
         raise ConfigError(f"{where}.process", f"unknown process {process!r}", list(PROCESSES))
     if process == "trace":
-        check_keys(spec, ("process", "path", "speedup", "time_scale", "rate", "load"), where)
+        check_keys(spec, ("process", "path", "speedup", "time_scale", "rate", "load",
+                          "start_s"), where)
         scalings = [k for k in ("speedup", "time_scale", "rate", "load") if k in spec]
         if len(scalings) > 1:
             raise ConfigError(
@@ -171,6 +177,7 @@ def _parse_arrival(raw: object, where: str, base_dir: Path | None) -> ArrivalSpe
             path=path,
             speedup=number(spec, "speedup", where, default=1.0),
             time_scale=number(spec, "time_scale", where, default=1.0),
+            start_s=number(spec, "start_s", where, default=0.0, positive=False, minimum=0.0),
         )
     allowed = ("process", "rate", "load") + (("cv",) if process == "gamma" else ())
     check_keys(spec, allowed, where)
@@ -317,7 +324,7 @@ def generate(
     arrival = spec.arrival
     if arrival.process == "trace":
         assert arrival.path is not None
-        trace = read_trace(arrival.path, "workload.arrival.path")
+        trace = window(read_trace(arrival.path, "workload.arrival.path"), arrival.start_s)
         times = _trace_times(spec, rate, trace.arrival_s)
         n = sum(1 for t in times if t < duration)
         times = times[:n]
