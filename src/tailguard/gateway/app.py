@@ -225,8 +225,8 @@ def make_runner(app: web.Application, shutdown_timeout_s: float,
 
     Handlers are cancelled when their client disconnects, so an abandoned
     request stops its upstream generation at once (the proxy's ``finally``
-    releases the permit); no access log by default (it costs ~10% of the
-    request path). Its connections follow the fleet file's ``client`` rules
+    releases the permit); no access log by default (a line per request is a
+    large share of the request path's own cost; the request log has them). Its connections follow the fleet file's ``client`` rules
     (:mod:`~tailguard.gateway.connections`).
     """
     kwargs: dict[str, object] = {"handler_cancellation": True,

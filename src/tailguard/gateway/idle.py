@@ -3,8 +3,8 @@
 A stream must end when nothing arrived for ``idle_s`` or when its total
 deadline passed. ``asyncio.timeout`` with ``reschedule`` per chunk does that
 but cancels and re-creates a timer handle per chunk (and on CPython 3.11 each
-call asks ``get_running_loop``, a ``getpid`` system call): ~10% of the
-gateway's CPU when streaming (py-spy, 20k tokens/s). :class:`IdleTimeout`
+call asks ``get_running_loop``, a ``getpid`` system call), a large share of
+the gateway's CPU when streaming. :class:`IdleTimeout`
 arms one timer; :meth:`IdleTimeout.touch` only records the time of the last
 progress, and when the timer fires it re-arms itself for
 ``last + idle_s`` if there was progress since, and cancels the task only if

@@ -16,18 +16,14 @@ queueing, batching and chunked-prefill interference all matter:
 
 A probe of a fixed count is short at a high rate, and a short probe overrates:
 its arrivals end before the batch and the queue reach their steady state (an
-answer of 211 tokens at a 50 ms TPOT lives 10 s). Eight H100s serving an 8B
-model at a 100 ms TPOT rated 45.1 req/s each from 1500 requests (4.2 s of
-arrivals) and 24.5 from 20,000 (102 s); the fleet measured 23.8 per H100 in a
-120 s run. With ``span_s`` (what the planner rates shapes with), a probe
-takes as many requests as its rate brings in ``span_s`` seconds: the stream
-of requests grows in chunks (:class:`ProbeStream`), each probe a prefix of
-the same one, so common random numbers still hold. A node's own capacity
-(the fleet's capacity bound) is probed so over at least NODE_SPAN_S: a 3B
-model on one B200 at a 50 ms TPOT rated 210.4 req/s from 1500 requests (7 s
-of arrivals), 131.5 over 60 s and 128.2 over 120 s, so ``load: 0.8`` offered
-it 1.3x what it carries. Where the 1500 requests already span that long at
-the capacity they find (an 8B model on one H100: 63 s), nothing changes.
+answer lives for its tokens times the TPOT). With ``span_s`` (what the planner
+rates shapes with), a probe takes as many requests as its rate brings in
+``span_s`` seconds: the stream of requests grows in chunks
+(:class:`ProbeStream`), each probe a prefix of the same one, so common random
+numbers still hold. A node's own capacity (the fleet's capacity bound) is
+probed so over at least NODE_SPAN_S; where the fixed count already spans that
+long at the capacity it finds, nothing changes. The measurements behind this
+are in ``benchmarks/README.md`` (planner and capacity).
 
 The fleet's **capacity bound** is the sum over nodes of their SLO capacities:
 a fleet cannot do better than every node working on its own at its limit, and
