@@ -45,15 +45,13 @@ trip time against its no-load minimum:
   timeout, or the engine reporting queued requests with its KV cache
   nearly full) cuts the limit by ``backoff`` at once.
 
-  Why both, measured on an L4 and an A100 serving llama-3.1-8b at a TPOT SLO
-  of 100 ms (target 90 ms) with 700-token prompts and 16-96-token answers:
-  the L4's no-load step is 75 ms, so a p99 of 100 ms gave the plain ratio
-  0.9 (a 2% cut after smoothing) where the batch had to shrink by 40%; and
-  the A100's chunked-prefill budget caps a step at ~100 ms, so its p99
-  saturates there and a cut can never outweigh a ``sqrt(limit)`` growth.
-  With the plain ratio and full growth the limits rested where the p99 TPOT
-  was 0.996 x the SLO (A100) instead of 0.9 x, and short requests on both
-  GPUs finished at the SLO give or take a millisecond of jitter.
+  Why both: on a weak card the no-load step is already close to the SLO, so
+  the plain ratio of target to p99 asks for a cut of a few percent where the
+  batch must shrink by a third or more; and where the chunked-prefill budget
+  caps a step near the SLO, the p99 saturates there and a cut can never
+  outweigh a ``sqrt(limit)`` growth. With the plain ratio alone the limits
+  rested with the p99 TPOT at the SLO instead of at the target
+  (``benchmarks/README.md``, limits).
 
 Slow start (gradient, ``slow_start: true`` by default; TCP's, RFC 5681): a
 cold node starts below its plan, at the typical prompts it can prefill within
