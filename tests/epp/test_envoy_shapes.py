@@ -8,10 +8,12 @@ client that leaves mid-stream; afterwards every permit is back, once.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import trustme
 from epp_harness import ENVOY, MODEL, MSG, emulated, envoy, picker, wait_for
 from test_envoy import client, metric, run, settled, stream_text
 
@@ -31,14 +33,28 @@ SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "buffered": ({"failure_mode_allow": True}, {}),
     # an ORIGINAL_DST cluster routing on the header alone: one endpoint, no list.
     "original-dst": ({"original_dst": True}, {"single_endpoint": True}),
+    # the reference shape dialling the picker over TLS (Istio's guide, Envoy AI Gateway).
+    "reference-tls": ({"observer": False, "response_body_mode": "FULL_DUPLEX_STREAMED",
+                       "response_trailer_mode": "SEND", "picker_tls": True}, {"tls": True}),
 }
 POOL = {"limits": {"kind": "fixed", "initial": 2}, "admission": {"queue_max": 1},
         "slo": {"ttft_s": 10.0, "tpot_s": 1.0}, "retries": {"attempts": 3}}
 
 
+def certificate(folder: Path) -> tuple[str, str]:
+    """A certificate and key for the picker (the gateways do not validate it)."""
+    cert = trustme.CA().issue_cert("127.0.0.1", "tailguard-epp")
+    files = (folder / "epp.pem", folder / "epp.key")
+    cert.cert_chain_pems[0].write_to_path(str(files[0]))
+    cert.private_key_pem.write_to_path(str(files[1]))
+    return str(files[0]), str(files[1])
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_each_shape_serves_sheds_fails_over_and_releases(shape: str) -> None:
+def test_each_shape_serves_sheds_fails_over_and_releases(shape: str, tmp_path: Path) -> None:
     envoy_options, picker_options = SHAPES[shape]
+    if picker_options.get("tls"):
+        picker_options = {**picker_options, "tls": certificate(tmp_path)}
 
     async def body() -> None:
         async with emulated(["A100", "A100"], speed=2.0, pool=POOL) as (emu, cfg), \

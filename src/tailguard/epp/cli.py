@@ -37,13 +37,22 @@ def cmd_epp(args: argparse.Namespace) -> int:
     if args.listen:
         http_host, http_port = parse_listen(args.listen, "--listen")
     objectives = _objectives(args.objective or [])
+    tls = None
+    if (args.grpc_tls_cert is None) != (args.grpc_tls_key is None):
+        raise ConfigError("--grpc-tls-key", "give --grpc-tls-cert and --grpc-tls-key together")
+    if args.grpc_tls_cert is not None:
+        for flag, path in (("--grpc-tls-cert", args.grpc_tls_cert),
+                           ("--grpc-tls-key", args.grpc_tls_key)):
+            if not os.path.isfile(path):
+                raise ConfigError(flag, f"no such file: {path}")
+        tls = (args.grpc_tls_cert, args.grpc_tls_key)
     from tailguard.adapters.runtime import loop_factory as uvloop_factory
 
     # TAILGUARD_EPP_UVLOOP=0: asyncio's own loop (gRPC's asyncio support is tested on it).
     loop_factory = uvloop_factory if os.environ.get("TAILGUARD_EPP_UVLOOP", "1") != "0" else None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve_epp(config, args.grpc_port, args.grpc_health_port, args.grpc_host,
-                             http_host, http_port, objectives, args.single_endpoint))
+                             http_host, http_port, objectives, args.single_endpoint, tls))
     return 0
 
 
@@ -58,7 +67,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
                                 observer=not args.no_observer,
                                 response_body_mode=args.response_body_mode,
                                 response_trailer_mode=args.response_trailer_mode,
-                                original_dst=args.original_dst))
+                                original_dst=args.original_dst, picker_tls=args.picker_tls))
     return 0
 
 
@@ -77,6 +86,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--objective", action="append", metavar="NAME=PRIORITY",
                    help="priority of an x-gateway-inference-objective name (repeatable); "
                         "critical, standard and sheddable are known")
+    p.add_argument("--grpc-tls-cert", metavar="PEM",
+                   help="serve the ext_proc port over TLS with this certificate (with "
+                        "--grpc-tls-key): for gateways that dial their picker over TLS")
+    p.add_argument("--grpc-tls-key", metavar="PEM", help="the certificate's private key")
     p.add_argument("--single-endpoint", action="store_true",
                    help="name the chosen endpoint alone, no fallback list: for data planes "
                         "that route on x-gateway-destination-endpoint by itself (an "
@@ -109,6 +122,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "(FULL_DUPLEX_STREAMED with --response-trailer-mode SEND: GIE's "
                         "reference shape)")
     p.add_argument("--response-trailer-mode", default="SKIP", choices=["SEND", "SKIP"])
+    p.add_argument("--picker-tls", action="store_true",
+                   help="dial the picker over TLS (tailguard epp --grpc-tls-cert), its "
+                        "certificate not validated, as the Inference Gateways do")
     p.add_argument("--original-dst", action="store_true",
                    help="route on the picker's header alone (an ORIGINAL_DST cluster; run "
                         "the picker with --single-endpoint)")

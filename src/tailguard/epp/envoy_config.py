@@ -54,6 +54,8 @@ OVERRIDE_HOST = ("type.googleapis.com/envoy.extensions.load_balancing_policies.o
 LEAST_REQUEST = ("type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3"
                  ".LeastRequest")
 HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+UPSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3"
+                ".UpstreamTlsContext")
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 
@@ -117,13 +119,17 @@ def _engines_cluster(config: FleetConfig, picker: bool,
     return cluster
 
 
-def _epp_cluster(picker: str) -> dict[str, Any]:
+def _epp_cluster(picker: str, tls: bool = False) -> dict[str, Any]:
     epp_host, _, epp_port = picker.rpartition(":")
-    return {
+    cluster: dict[str, Any] = {
         "name": "epp", "type": "STATIC", "connect_timeout": "1s",
         "load_assignment": {"cluster_name": "epp", **_endpoints([(epp_host, int(epp_port))])},
         "typed_extension_protocol_options": _upstream_options("http2"),
     }
+    if tls:  # as the Inference Gateways dial it: TLS, the certificate not validated
+        cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": UPSTREAM_TLS, "common_tls_context": {"alpn_protocols": ["h2"]}}}
+    return cluster
 
 
 def _ext_proc_filters(observer: bool, failure_mode_allow: bool, message_timeout_s: float,
@@ -199,20 +205,21 @@ def envoy_bootstrap(config: FleetConfig, *, port: int = 10000, admin_port: int =
                     message_timeout_s: float = 30.0, observer: bool = True,
                     response_body_mode: str = "STREAMED",
                     response_trailer_mode: str = "SKIP",
-                    original_dst: bool = False) -> dict[str, Any]:
+                    original_dst: bool = False, picker_tls: bool = False) -> dict[str, Any]:
     """The bootstrap as a dict (``yaml.safe_dump`` it). ``retries``: Envoy's retries,
     the picker's fallbacks (``retries.attempts - 1`` of the pool); ``message_timeout_s``
     bounds one picker reply, and so how long a request may wait in tailguard's queue.
     ``response_body_mode``/``response_trailer_mode``: how the one-filter shape (no
     observer) sends the response (``FULL_DUPLEX_STREAMED`` and ``SEND``: GIE's
     reference deployments). ``original_dst``: an ``ORIGINAL_DST`` cluster routing on
-    the header alone (run the picker with ``--single-endpoint``)."""
+    the header alone (run the picker with ``--single-endpoint``). ``picker_tls``:
+    dial the picker over TLS (``tailguard epp --grpc-tls-cert``)."""
     clusters = [_engines_cluster(config, picker is not None, original_dst)]
     filters: list[dict[str, Any]] = []
     if picker is not None:
         filters = _ext_proc_filters(observer, failure_mode_allow, message_timeout_s,
                                     response_body_mode, response_trailer_mode)
-        clusters.append(_epp_cluster(picker))
+        clusters.append(_epp_cluster(picker, picker_tls))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
     vhost = _virtual_host(retries, picker is not None, observer)
     hcm = {"@type": HCM, "stat_prefix": "inference", "codec_type": "AUTO",

@@ -24,6 +24,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from random import Random
 
 import grpc
@@ -71,8 +72,11 @@ async def start_epp(config: FleetConfig, grpc_port: int = 9002, health_port: int
                     host: str = "127.0.0.1", http_host: str | None = None,
                     http_port: int | None = None, rng: Random | None = None,
                     objectives: dict[str, int] | None = None,
-                    single_endpoint: bool = False) -> RunningPicker:
-    """Start the picker (port 0: a free one, for each of the three)."""
+                    single_endpoint: bool = False,
+                    tls: tuple[str, str] | None = None) -> RunningPicker:
+    """Start the picker (port 0: a free one, for each of the three). ``tls``: the
+    certificate and key files (PEM) the ext_proc port serves TLS with; the gateways
+    that dial their picker over TLS (Istio's guide, Envoy AI Gateway) need it."""
     gw = await start_gateway(config, http_host, http_port, rng)
     try:
         picker = EndpointPicker(gw.fleet, gw.metrics, objectives, gw.app[PROXY].gate,
@@ -83,7 +87,12 @@ async def start_epp(config: FleetConfig, grpc_port: int = 9002, health_port: int
                                           ("grpc.max_receive_message_length", size),
                                           ("grpc.max_send_message_length", size)])
         pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-        port = server.add_insecure_port(f"{host}:{grpc_port}")
+        if tls is not None:
+            cert, key = (Path(f).read_bytes() for f in tls)
+            port = server.add_secure_port(f"{host}:{grpc_port}",
+                                          grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(f"{host}:{grpc_port}")
         health = health_aio.HealthServicer()
         health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
@@ -123,9 +132,10 @@ async def run_epp(config: FleetConfig, **kwargs: object) -> AsyncIterator[Runnin
 async def serve_epp(config: FleetConfig, grpc_port: int, health_port: int, host: str,
                     http_host: str | None, http_port: int | None,
                     objectives: dict[str, int] | None = None,
-                    single_endpoint: bool = False) -> None:
+                    single_endpoint: bool = False,
+                    tls: tuple[str, str] | None = None) -> None:
     epp = await start_epp(config, grpc_port, health_port, host, http_host, http_port,
-                          objectives=objectives, single_endpoint=single_endpoint)
+                          objectives=objectives, single_endpoint=single_endpoint, tls=tls)
     collector = start_gc_tuning()  # as under serve: every message allocates
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
