@@ -52,3 +52,27 @@ def test_kubernetes_manifest_holds_a_valid_fleet_and_an_inference_pool() -> None
     assert spec["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
     args = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["tailguard", "epp"]
+
+
+@pytest.mark.parametrize(("name", "gateway_class"), [("istio", "istio"), ("kgateway", "kgateway")])
+def test_each_inference_gateway_file_is_what_the_epp_route_attaches_to(
+        name: str, gateway_class: str) -> None:
+    """The Gateway API and Istio CRDs are not in the kubernetes client's models: the
+    fields that matter are checked by hand, against epp.yaml's route and Service."""
+    epp = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "epp.yaml")
+                                                     .read_text())}
+    docs = list(yaml.safe_load_all(
+        (DEPLOY / "kubernetes" / "inference-gateways" / f"{name}.yaml").read_text()))
+    gateway = next(d for d in docs if d["kind"] == "Gateway")
+    assert gateway["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert gateway["spec"]["gatewayClassName"] == gateway_class
+    assert gateway["metadata"]["namespace"] == epp["HTTPRoute"]["metadata"]["namespace"]
+    assert {"name": gateway["metadata"]["name"]} in epp["HTTPRoute"]["spec"]["parentRefs"]
+    listener = gateway["spec"]["listeners"][0]
+    assert set(listener) <= {"name", "port", "protocol", "allowedRoutes", "hostname", "tls"}
+    assert listener["protocol"] in ("HTTP", "HTTPS")
+    for rule in (d for d in docs if d["kind"] == "DestinationRule"):
+        assert rule["apiVersion"] == "networking.istio.io/v1"
+        service = epp["Service"]["metadata"]
+        assert rule["spec"]["host"] == f"{service['name']}.{service['namespace']}.svc.cluster.local"
+        assert rule["spec"]["trafficPolicy"]["tls"]["mode"] == "DISABLE"
