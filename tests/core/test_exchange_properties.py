@@ -132,10 +132,12 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
         what = data.draw(st.sampled_from(choices), label="event")
         if what == "arrive":
             stream = data.draw(st.booleans(), label="stream")
+            within = data.draw(st.sampled_from([None, 0.0, 0.05, 0.5, 5.0]), label="deadline")
             ex = Exchange(b, Request(MODEL, data.draw(st.integers(1, 4000), label="prompt"),
                                      64, data.draw(st.integers(0, 2), label="priority"),
                                      stream, data.draw(st.sampled_from([None, 0.2, 5.0]),
-                                                       label="ttft")),
+                                                       label="ttft"),
+                                     deadline=None if within is None else now + within),
                           retries, budget, hedger)
             exchanges.append(ex)
             drv.apply(ex, ex.arrive(now), now)

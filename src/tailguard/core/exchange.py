@@ -43,13 +43,13 @@ What the exchange owns, so that no driver can differ:
   or more failing it, and none serving it, make it the request's doing;
 * the request's deadline (``Request.deadline``): no retry or hedge starts
   with less time left than the node it would go to is expected to need (to
-  its first token when streamed, to its whole answer when not);
-  the first attempt needs only the time to its first token (the client's
-  request deserves one try); a non-streamed attempt gets its own bound (:data:`ATTEMPT_MARGIN` times
-  what the node is expected to take for the longest answer the request
-  allows, at least :data:`ATTEMPT_FLOOR_S`), past which its node is taken for
-  hung while a retry still has time; and a copy the deadline cut short
-  (``Failure.cut``) is no evidence against its node.
+  its first token when streamed, to its whole answer when not); the first
+  attempt needs only the time to its first token (the client's request
+  deserves one try); a non-streamed attempt gets its own bound
+  (:data:`ATTEMPT_MARGIN` times what the node is expected to take for the
+  longest answer the request allows, at least :data:`ATTEMPT_FLOOR_S`), past
+  which its node is taken for hung while a retry still has time; and a copy
+  the deadline cut short (``Failure.cut``) is no evidence against its node.
 
 A copy is *committed* at its first chunk (or its complete answer): from then
 on no retry and no hedge, and a failure ends the exchange with
@@ -438,8 +438,7 @@ class Exchange:
     def _first_attempt(self, ticket: Ticket, now: float) -> tuple[Action, ...]:
         """The first copy, unless the request's time ran out before it could start (it
         waited in the queue past the time its first token needs)."""
-        left = self._time_left(now)
-        if left > ticket.allowance or left > self._needs_s(ticket, 0.0):
+        if self._time_left(now) > self._needs_s(ticket, 0.0):
             return (self._dispatch(ticket, now, None, False),)
         self.balancer.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
         self._end("failed")
@@ -595,16 +594,26 @@ def pump(balancer: Balancer, now: float) -> list[tuple[Exchange, tuple[Action, .
     """The queue's decisions since the last call, each handed to its exchange.
 
     Drivers call it when the balancer signals queue decisions, after a permit
-    or a prompt backlog freed, and periodically while anything is queued.
+    or a prompt backlog freed, and periodically while anything is queued. A
+    ticket given back while handing them out (its client left, or its time ran
+    out) frees room at once: the queue is polled again, so that what it decides
+    then is handed out now, not after the fleet has changed again.
     """
     out = []
-    for waiter, decision in balancer.poll_queue(now):
-        ex = waiter.payload
-        if isinstance(ex, Exchange):
-            out.append((ex, ex.queue_decision(decision, now)))
-        elif isinstance(decision, Ticket):  # queued by no exchange: nobody to give it to
-            balancer.on_finish(decision, now, Outcome.CLIENT_CANCELLED, 0)
-    return out
+    while True:
+        freed = False
+        for waiter, decision in balancer.poll_queue(now):
+            ex = waiter.payload
+            if isinstance(ex, Exchange):
+                actions = ex.queue_decision(decision, now)
+                out.append((ex, actions))
+                freed |= isinstance(decision, Ticket) and not any(
+                    type(a) is Dispatch for a in actions)
+            elif isinstance(decision, Ticket):  # queued by no exchange: nobody to give it to
+                balancer.on_finish(decision, now, Outcome.CLIENT_CANCELLED, 0)
+                freed = True
+        if not freed:
+            return out
 
 
 __all__ = [

@@ -38,8 +38,8 @@ class PickFn(Protocol):
 class Admission:
     """The admission of every pool of one balancer (see the module docstring)."""
 
-    __slots__ = ("_chunks", "_decisions", "_pick", "_pools", "_presumed", "_waiter_seq",
-                 "on_decision")
+    __slots__ = ("_chunks", "_decisions", "_draining", "_pick", "_pools", "_presumed",
+                 "_waiter_seq", "on_decision")
 
     def __init__(self, pools: Mapping[str, Pool], pick: PickFn) -> None:
         self._pools = pools
@@ -49,6 +49,9 @@ class Admission:
         self._presumed: list[tuple[float, int, Ticket]] = []
         self._decisions: list[Decision] = []
         self._chunks: ChunkCache = {}
+        # A drain under way: the pick it makes settles presumed prompts too, and the
+        # backlog they free is the drain's to use, not a second drain's inside it.
+        self._draining = False
         # Called (no arguments) when decisions await poll: lets an event-loop
         # driver wake its queued requests without polling.
         self.on_decision: Callable[[], None] | None = None
@@ -181,6 +184,8 @@ class Admission:
             node.prompt_done(ticket.backlog)
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
             moved.add(ticket.pool.name)
+        if self._draining:
+            return  # the drain that picked goes on with the shorter backlog
         for name in sorted(moved):  # a shorter backlog may admit a waiter
             pool = self._pools.get(name)
             if pool is not None and pool.queue is not None and pool.queue.length:
@@ -189,6 +194,15 @@ class Admission:
             self._notify()
 
     def _drain(self, pool: Pool, now: float, out: list[Decision], scan: bool) -> None:
+        if self._draining:  # a release inside this drain's own pick: it goes on
+            return
+        self._draining = True
+        try:
+            self._drain_queue(pool, now, out, scan)
+        finally:
+            self._draining = False
+
+    def _drain_queue(self, pool: Pool, now: float, out: list[Decision], scan: bool) -> None:
         queue = pool.queue
         assert queue is not None
         if scan:
