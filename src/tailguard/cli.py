@@ -114,6 +114,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     out = Console() if Console().is_terminal else Console(width=160)
+    for warning in doc.get("warnings", ()):
+        console.print(f"[yellow]warning:[/yellow] {warning}")
     out.print(_sim_table(doc))
     out.print(_per_gpu_table(doc))
     prefix = _prefix_table(doc)
@@ -147,7 +149,7 @@ def _sweep_table(doc: dict[str, Any]) -> Table:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from tailguard.sim.capacity import fleet_capacity
+    from tailguard.sim.capacity import fleet_capacity, misses_alone
     from tailguard.sim.scenario import load_scenario
 
     scn = load_scenario(args.scenario)
@@ -164,18 +166,31 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     plans = {p.id: p for p in scn.nodes()}
     table = Table(title=f"SLO capacity of each node alone ({scn.model}, TTFT <= {scn.slo.ttft_s} s,"
                         f" TPOT <= {scn.slo.tpot_s} s, attainment {scn.slo.attainment})")
-    for col in ("node", "gpu", "tp", "KV tokens", "capacity req/s"):
+    for col in ("node", "gpu", "tp", "KV tokens", "capacity req/s", "missed alone"):
         table.add_column(col, justify="left" if col in ("node", "gpu") else "right")
+    misses = {nid: misses_alone(scn, plans[nid]) for nid in cap}
     for nid, rps in cap.items():
         p = plans[nid]
+        missed = ", ".join(f"{share:.1%} {why.upper()}" for why, share in
+                           sorted(misses[nid].items(), key=lambda kv: -kv[1])) or "-"
         table.add_row(nid, p.perf.gpu.name, str(p.perf.tp), str(p.perf.kv_capacity_tokens),
-                      f"{rps:.2f}")
-    table.add_row("fleet", "", "", "", f"{sum(cap.values()):.2f}", style="bold")
-    (Console() if Console().is_terminal else Console(width=160)).print(table)
+                      f"{rps:.2f}", missed)
+    table.add_row("fleet", "", "", "", f"{sum(cap.values()):.2f}", "", style="bold")
+    out = Console() if Console().is_terminal else Console(width=160)
+    out.print(table)
+    blocked = sorted({plans[nid].perf.gpu.name for nid, m in misses.items()
+                      if sum(m.values()) > 1.0 - scn.slo.attainment})
+    if blocked:
+        out.print(f"{', '.join(blocked)}: more than {1.0 - scn.slo.attainment:.1%} of the "
+                  "requests miss the SLO on such a node even alone (\"missed alone\": the KV "
+                  "cache cannot hold them, or their prefill or a lone decode step is too "
+                  "slow), so no rate reaches the attainment target there and its capacity "
+                  "is 0. A fleet bound with such nodes understates the fleet; `load:` then "
+                  "offers little: give the workload a `rate:` instead.")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"scenario": scn.name, "capacity_bound_rps": sum(cap.values()),
-             "node_capacity_rps": cap}, indent=2) + "\n")
+             "node_capacity_rps": cap, "node_missed_alone": misses}, indent=2) + "\n")
     return 0
 
 

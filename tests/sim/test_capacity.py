@@ -70,3 +70,36 @@ def test_a_nodes_capacity_is_probed_over_node_span_s_and_unchanged_where_1500_re
     assert node == short and PROBE_REQUESTS / short > NODE_SPAN_S
     short, node = capacities("llama-3.2-3b", "B200", 0.05)
     assert node < 0.8 * short, (node, short)
+
+
+def test_a_node_that_misses_long_prompts_alone_is_named_with_its_reason() -> None:
+    """Long prompts: an L4 cannot hold the longest in its KV cache nor prefill many of
+    them in time even alone, so its capacity is 0 and the simulator says why; an H100
+    serves them all."""
+    from tailguard.sim.capacity import misses_alone
+    from tailguard.sim.run import RunOptions, simulate
+    from tailguard.sim.scenario import parse_scenario
+
+    scn = parse_scenario({
+        "name": "long", "seed": 3, "model": MODEL.name, "slo": {"ttft_s": 5.0, "tpot_s": 0.15},
+        "fleet": [{"gpu": "H100-SXM", "count": 1}, {"gpu": "L4", "count": 1}],
+        "workload": {"duration_s": 20, "arrival": {"process": "poisson", "load": 0.5},
+                     "input_tokens": {"dist": "lognormal", "mu": 9.1, "sigma": 0.9,
+                                      "max": 100000},
+                     "output_tokens": {"dist": "fixed", "value": 50}},
+        "policies": ["tailguard"]})
+    h100, l4 = scn.nodes()
+    assert sum(misses_alone(scn, h100).values()) < 0.05
+    l4_misses = misses_alone(scn, l4)
+    assert l4_misses.get("kv", 0.0) > 0.0 and l4_misses.get("ttft", 0.0) > 0.0
+    assert node_capacity(scn, l4) == 0.0
+    doc = simulate(scn, opts=RunOptions(duration_s=20))
+    assert any("L4" in w and "capacity 0" in w for w in doc["warnings"])
+    short = parse_scenario({
+                            "name": "short", "model": MODEL.name,
+                            "fleet": [{"gpu": "L4", "count": 1}],
+                            "workload": {"duration_s": 10, "arrival": {"process": "poisson",
+                                                                       "rate": 1},
+                                         "input_tokens": {"dist": "fixed", "value": 500},
+                                         "output_tokens": {"dist": "fixed", "value": 50}}})
+    assert misses_alone(short, short.nodes()[0]) == {}

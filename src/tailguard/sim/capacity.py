@@ -225,6 +225,30 @@ def replica_capacity(scn: Scenario, perf: PerfModel, engine: EngineConfig, copie
     return _capacity(perf, engine, scn.slo, ProbeStream.shared(scn), copies, span_s)
 
 
+def misses_alone(scn: Scenario, plan: NodePlan) -> dict[str, float]:
+    """The share of the workload's requests that one node cannot serve within the SLO
+    even alone on an idle engine, by the first reason (``kv``: prompt and answer do not
+    fit its KV cache; ``ttft``: its prefill is too slow; ``tpot``: a lone decode step
+    is); empty when it can serve them all. A node whose misses exceed ``1 -
+    attainment`` has capacity 0 at any rate: the reason ``tailguard capacity`` gives."""
+    stream = ProbeStream.shared(scn)
+    perf, slo = plan.perf, scn.slo
+    kv = perf.kv_capacity_tokens
+    counts: dict[str, int] = {}
+    for prompt, out in zip(stream.prompts, stream.outputs, strict=True):
+        if prompt + out > kv:
+            why = "kv"
+        elif perf.prefill_time(prompt) + perf.decode_step(1, prompt) > slo.ttft_s:
+            why = "ttft"
+        elif perf.decode_step(1, prompt + out / 2) > slo.tpot_s:
+            why = "tpot"
+        else:
+            continue
+        counts[why] = counts.get(why, 0) + 1
+    n = len(stream.prompts)
+    return {why: k / n for why, k in counts.items()}
+
+
 def fleet_capacity(scn: Scenario,
                    progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
     """Each node's SLO capacity by node id; ``progress(done, total, node)`` after each."""

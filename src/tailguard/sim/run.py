@@ -176,6 +176,12 @@ def simulate(
         raise ConfigError("workload.arrival", "the fleet has no SLO capacity for this workload")
     reqs = make_requests(scn, rate)
     offered = rate if rate is not None else len(reqs) / max(scn.workload.duration_s, 1e-9)
+    warnings = []
+    zero = sorted({nid.split("#")[0] for nid, cap in capacity.items() if cap <= 0.0})
+    if zero and scn.workload.arrival.load is not None:
+        warnings.append(f"{', '.join(zero)}: SLO capacity 0 for this workload (too many of its "
+                        "requests miss the SLO there even alone: `tailguard capacity` says "
+                        "why), so the `load:` bound understates the fleet")
     results: dict[str, Any] = {}
     for choice in policies or scn.policies:
         res = run_policy(scn, choice, reqs, capacity, offered, opts.drain_s, progress, records)
@@ -193,4 +199,5 @@ def simulate(
         "capacity_bound_rps": round(bound, 6),
         "node_capacity_rps": {k: round(v, 6) for k, v in capacity.items()},
         "results": results,
+        **({"warnings": warnings} if warnings else {}),
     }
