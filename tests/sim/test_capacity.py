@@ -96,10 +96,8 @@ def test_a_node_that_misses_long_prompts_alone_is_named_with_its_reason() -> Non
     doc = simulate(scn, opts=RunOptions(duration_s=20))
     assert any("L4" in w and "capacity 0" in w for w in doc["warnings"])
     short = parse_scenario({
-                            "name": "short", "model": MODEL.name,
-                            "fleet": [{"gpu": "L4", "count": 1}],
-                            "workload": {"duration_s": 10, "arrival": {"process": "poisson",
-                                                                       "rate": 1},
-                                         "input_tokens": {"dist": "fixed", "value": 500},
-                                         "output_tokens": {"dist": "fixed", "value": 50}}})
+        "name": "short", "model": MODEL.name, "fleet": [{"gpu": "L4", "count": 1}],
+        "workload": {"duration_s": 10, "arrival": {"process": "poisson", "rate": 1},
+                     "input_tokens": {"dist": "fixed", "value": 500},
+                     "output_tokens": {"dist": "fixed", "value": 50}}})
     assert misses_alone(short, short.nodes()[0]) == {}
