@@ -184,8 +184,6 @@ class Admission:
             node.prompt_done(ticket.backlog)
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
             moved.add(ticket.pool.name)
-        if self._draining:
-            return  # the drain that picked goes on with the shorter backlog
         for name in sorted(moved):  # a shorter backlog may admit a waiter
             pool = self._pools.get(name)
             if pool is not None and pool.queue is not None and pool.queue.length:
@@ -194,7 +192,7 @@ class Admission:
             self._notify()
 
     def _drain(self, pool: Pool, now: float, out: list[Decision], scan: bool) -> None:
-        if self._draining:  # a release inside this drain's own pick: it goes on
+        if self._draining:  # its own pick settled presumed prompts: this drain goes on
             return
         self._draining = True
         try:
