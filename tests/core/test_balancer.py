@@ -154,9 +154,9 @@ def test_a_long_stream_is_judged_piece_by_piece_as_it_runs() -> None:
     real = b.outliers.on_decode
 
     def spy(node: object, tpot: float, expected: float, batch: int = 1,
-            now: float | None = None, since: float | None = None) -> None:
+            now: float | None = None, since: float | None = None, share: float = 1.0) -> None:
         seen.append((tpot, now or 0.0, since))
-        real(b.nodes["n0"], tpot, expected, batch, now, since)
+        real(b.nodes["n0"], tpot, expected, batch, now, since, share)
 
     b.outliers.on_decode = spy  # type: ignore[method-assign]
     node = b.nodes["n0"]
@@ -234,17 +234,17 @@ def test_prompt_work_accrues_while_it_computes() -> None:
     before then credits the rest, a request that ends first drops it."""
     b = make(1)
     node = b.nodes["n0"]
-    entry = node.start_work(0.4, 2.0, 10.0)  # 0.4 s of work over [10, 12]
+    entry = node.start_work(0.4, 10.0, 12.0, 10.0)  # 0.4 s of work over [10, 12]
     assert node.work_at(10.0) == 0.0
     assert node.work_at(11.0) == pytest.approx(0.2)
-    other = node.start_work(0.1, 1.0, 11.0)  # over [11, 12]
+    other = node.start_work(0.1, 11.0, 12.0, 11.0)  # over [11, 12]
     assert node.work_at(11.5) == pytest.approx(0.3 + 0.05)
     node.end_work(0.1, other, 11.5)  # early first token: the rest at once
     assert node.work_at(11.5) == pytest.approx(0.3 + 0.1)
     assert node.work_at(13.0) == pytest.approx(0.4 + 0.1)  # accrued whole by 12
     node.end_work(0.4, entry, 13.0)  # a late first token adds nothing more
     assert node.work_at(20.0) == pytest.approx(0.5) and node.work_rate == 0.0
-    gone = node.start_work(1.0, 1.0, 20.0)
+    gone = node.start_work(1.0, 20.0, 21.0, 20.0)
     node.end_work(1.0, gone, 20.25, computed=False)  # cancelled: what it ran stays
     assert node.work_at(30.0) == pytest.approx(0.75)
     # Through the balancer: picked, streamed, finished, the node's total is every prompt's.

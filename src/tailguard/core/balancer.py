@@ -60,10 +60,7 @@ from tailguard.core.pool import (
     Ticket as Ticket,
     decision_dict as decision_dict,
 )
-from tailguard.core.predict import (
-    prefill_extra_s,
-    running_batch,
-)
+from tailguard.core.predict import prefill_chunks, running_batch
 from tailguard.core.probes import HealthProbes, ProbeRule
 from tailguard.core.queueing import Admission, Decision
 from tailguard.core.record import event_to_dict, pool_to_dict, record_init, spec_to_dict
@@ -386,19 +383,28 @@ class Balancer:
         if prefix:
             pool.index().insert(node.id, prefix)
         node.dispatched(ticket.backlog, prompt_tokens)
+        chunks, step, ramp = 0, 0.0, 1.0
         if ticket.backlog > 0:
             running = running_batch(node.perf, node.slots, node.fleet_in_flight,
                                     pool.mean_prompt + pool.mean_output)
-            ticket.work = prefill_extra_s(node.perf, ticket.backlog, running,
-                                          pool.mean_prompt + pool.mean_output * 0.5)
+            ctx = pool.mean_prompt + pool.mean_output * 0.5
+            ticket.work, chunks, step, ramp = prefill_chunks(node.perf, ticket.backlog, running,
+                                                             ctx)
             node.add_dispatched_work(ticket.work)
-        expected = ticket.expected_ttft() * node.class_prefill_slowdown
+        slowdown = node.class_prefill_slowdown
+        expected = ticket.expected_ttft() * slowdown
         ticket.allowance = expected * OVERDUE_FACTOR
         if ticket.batch_at_dispatch <= node.slots:
             ticket.due = now + ticket.allowance
         # else every engine slot is taken: due once one frees (Node.slot_freed)
         if ticket.work > 0.0:
-            ticket.accrual = node.start_work(ticket.work, expected, now)
+            # The engine computes waiting prompts first come, first served, a chunk
+            # a step: this one once those ahead of it are done, over as many
+            # steps as it has chunks, a growing share of each.
+            begin = node.work_free_at(now)
+            ticket.accrual = node.start_work(ticket.work, begin,
+                                             begin + ticket.work * slowdown + chunks * step,
+                                             now, chunks, ramp)
         node.awaits(ticket)
         if node.limiter is not None:
             ticket.permit = node.limiter.acquire()

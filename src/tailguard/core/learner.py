@@ -39,14 +39,15 @@ CACHE_HIT_RATIO = 0.25
 class Learner:
     """What answers teach the nodes' estimators and the outlier detector."""
 
-    __slots__ = ("_memo", "admission", "double_release", "outliers")
+    __slots__ = ("_memo", "_memo_own", "admission", "double_release", "outliers")
 
     def __init__(self, outliers: OutlierDetector | None, admission: Admission) -> None:
         self.outliers = outliers
         self.admission = admission
         self.double_release = 0  # finishes for an already released ticket
-        # node id -> decode_expected's last answer: (its inputs, (batch, step))
-        self._memo: dict[str, tuple[tuple[object, ...], tuple[int, float]]] = {}
+        # node id -> decode_expected's last answer: (its inputs, its answer); given areas, own
+        self._memo: dict[str, tuple[tuple[object, ...], tuple[int, float, float]]] = {}
+        self._memo_own: dict[str, tuple[tuple[object, ...], tuple[int, float, float]]] = {}
 
     def first_token(self, ticket: Ticket, now: float, *, defer_prefill: bool = False) -> bool:
         """The request's first token arrived; False if it changes nothing (the
@@ -65,9 +66,10 @@ class Learner:
         node.progressed(now)
         ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
-            node.prompt_done(ticket.backlog)
+            node.prompt_done(ticket.backlog, ticket.prompt_tokens, now)
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
         ticket.seg_work = ticket.work_at_first = node.work_at(now)
+        ticket.seg_areas = ticket.areas_at_first = node.areas_at(now)
         node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
         if defer_prefill:
@@ -124,7 +126,7 @@ class Learner:
         if ticket.pending_prefill:
             self.learn_prefill(ticket, cached_tokens)
         prefilling = ticket.t_first < 0.0 and not ticket.presumed
-        node.released(ticket.backlog, prefilling)
+        node.released(ticket.backlog, prefilling, ticket.prompt_tokens, now)
         if ticket.due != math.inf or ticket.t_first >= 0.0:
             node.slot_freed(now)  # it held an engine slot: the next waiting prompt has it
         if prefilling:
@@ -154,49 +156,77 @@ class Learner:
             node.tpot.update(tpot, now)  # what clients got (observers read it)
             if output_tokens < MIN_DECODE_TOKENS:
                 return
-            batch, expected_step = self.decode_expected(ticket, ticket.batch_at_first,
-                                                         ticket.t_first, ticket.work_at_first, now)
+            _, expected_step, _ = self.decode_expected(ticket, ticket.batch_at_first,
+                                                        ticket.t_first, ticket.work_at_first,
+                                                        None, now)
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is None:
                 return
             if ticket.seg_tokens == 1:  # no piece judged while it ran: the whole answer
-                self.outliers.on_decode(node, tpot, expected_step, batch, now, ticket.t_first)
+                batch, expected_step, share = self.decode_expected(
+                    ticket, ticket.batch_at_first, ticket.t_first, ticket.work_at_first,
+                    ticket.areas_at_first, now)
+                self.outliers.on_decode(node, tpot, expected_step, batch, now, ticket.t_first,
+                                        share)
                 return
             # The pieces judged as the stream ran; the rest, if long enough, now.
             rest = output_tokens - ticket.seg_tokens
             if rest >= MIN_DECODE_TOKENS:
-                batch, expected_step = self.decode_expected(ticket, ticket.seg_batch,
-                                                             ticket.seg_t, ticket.seg_work, now)
+                batch, expected_step, share = self.decode_expected(
+                    ticket, ticket.seg_batch, ticket.seg_t, ticket.seg_work, ticket.seg_areas, now)
                 self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
-                                        batch, now, ticket.seg_t)
+                                        batch, now, ticket.seg_t, share)
 
     def decode_expected(self, ticket: Ticket, batch_then: int, since: float,
-                        work_then: float, now: float) -> tuple[int, float]:
-        """The running batch since ``batch_then`` (the mean of then and now) and the
+                        work_then: float, areas_then: tuple[float, float] | None,
+                        now: float) -> tuple[int, float, float]:
+        """The running batch since ``batch_then`` (the mean of then and now), the
         roofline's time per token for it, stretched by the prompt work the node
-        computed since ``since`` (when its total was ``work_then``), at the class's
-        learned prefill speed (:func:`interleaved_tpot`)."""
+        computed since ``since`` (when its total was ``work_then``), at the
+        class's learned prefill speed (:func:`interleaved_tpot`), and the share of
+        that time the decode step alone takes.
+
+        Given ``areas_then`` (the node's ``Load.areas_at`` at ``since``), the
+        step is the one for the prompts the node's decodes held since then,
+        and a step carrying a chunk costs what the chunks of the prompts under
+        way cost: what the detector judges the node by, since the router gives
+        the longest prompts to the strongest nodes, whose steps then attend to
+        more context. Without, the pool's mean prompt and a first chunk: the
+        router's own prediction (``policies/tailguard.py``), which the node's
+        learned decode speed corrects.
+        """
         node, pool = ticket.node, ticket.pool
         # The streams of one node told at one tick share all of it (the simulator
         # tells each one each second): computed once for them.
-        key = (pool.name, batch_then, since, work_then, now, node.fleet_in_flight,
+        key = (pool.name, batch_then, since, work_then, areas_then, now, node.fleet_in_flight,
                pool.mean_prompt, pool.mean_output, node.class_prefill_slowdown,
                node.remote_ratio)
-        memo = self._memo.get(node.id)
+        memos = self._memo if areas_then is None else self._memo_own
+        memo = memos.get(node.id)
         if memo is not None and memo[0] == key:
             return memo[1]
+        prompt = pool.mean_prompt
+        if areas_then is not None:
+            ctx_area, dec_area = node.areas_at(now)
+            decodes = dec_area - areas_then[1]
+            if decodes > 0.0:  # the answers' own tokens at the pool's mean, as below
+                prompt = (ctx_area - areas_then[0]) / decodes
         batch = running_batch(node.perf, node.slots,
                               max(1, (batch_then + node.fleet_in_flight + 1) // 2),
-                              pool.mean_prompt + pool.mean_output)
-        ctx = pool.mean_prompt + pool.mean_output * 0.5
-        step = decode_step_s(node.perf, batch, ctx)
+                              prompt + pool.mean_output)
+        ctx = prompt + pool.mean_output * 0.5  # half-way through the answers, on average
+        alone = step = decode_step_s(node.perf, batch, ctx)
         span = now - since
         work = node.work_at(now) - work_then
         if span > 0.0 and work > 0.0:
             duty = work * (1.0 + node.remote_ratio) * node.class_prefill_slowdown / span
-            step = interleaved_tpot(step, duty, saturated_step_s(node.perf, batch, ctx))
-        self._memo[node.id] = (key, (batch, step))
-        return batch, step
+            cap = saturated_step_s(node.perf, batch, ctx)
+            if areas_then is not None:  # every step carrying a chunk of the prompts under way
+                cap = max(cap, step + node.chunk_s() * node.class_prefill_slowdown)
+            step = interleaved_tpot(step, duty, cap)
+        answer = (batch, step, alone / step)
+        memos[node.id] = (key, answer)
+        return answer
 
     def stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
         """``tokens`` output tokens of the ticket's stream have arrived by ``now``.
@@ -218,13 +248,14 @@ class Learner:
         n = tokens - ticket.seg_tokens
         if n < MIN_DECODE_TOKENS:
             return now  # a slow piece: the next chunk may complete it
-        batch, expected = self.decode_expected(ticket, ticket.seg_batch, start,
-                                                ticket.seg_work, now)
-        det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start)
+        batch, expected, share = self.decode_expected(ticket, ticket.seg_batch, start,
+                                                       ticket.seg_work, ticket.seg_areas, now)
+        det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start, share)
         ticket.seg_t = now
         ticket.seg_tokens = tokens
         ticket.seg_batch = ticket.node.fleet_in_flight
         ticket.seg_work = ticket.node.work_at(now)
+        ticket.seg_areas = ticket.node.areas_at(now)
         return now + seg_s
 
     def blame(self, node: Node, outcome: Outcome, now: float) -> None:

@@ -20,6 +20,7 @@ from tailguard.core.retry_budget import RetryBudget, RetryConfig
 # Tokens per hashed prompt block when the driver hashes prompts (the gateway);
 # a simulated workload brings its own (Mooncake's traces: 512).
 PREFIX_BLOCK_TOKENS = 128
+NO_AREAS = (0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class Ticket:
         "accrual",
         "ahead_tokens",
         "allowance",
+        "areas_at_first",
         "backlog",
         "batch_at_dispatch",
         "batch_at_first",
@@ -59,6 +61,7 @@ class Ticket:
         "presumed",
         "prompt_tokens",
         "released",
+        "seg_areas",
         "seg_batch",
         "seg_t",
         "seg_tokens",
@@ -98,6 +101,7 @@ class Ticket:
         self.seg_batch = 0
         self.seg_work = 0.0  # the node's prompt work computed by seg_t (Node.work_at)
         self.work_at_first = 0.0  # ... and by the first token
+        self.seg_areas = self.areas_at_first = NO_AREAS  # the node's Load.areas_at, likewise
         self.work = 0.0  # what its prompt adds to the node's steps (predict.prefill_extra_s)
         self.accrual: list[float] | None = None  # its work as the node accrues it (start_work)
 

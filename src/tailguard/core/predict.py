@@ -67,19 +67,35 @@ def prefill_extra_s(perf: PerfModel, prompt: int, batch: int, mean_ctx: float,
     compute fits in the time the weights take to stream). A short prompt beside
     a memory-bound batch is nearly free; a long one costs its compute.
     """
-    if prompt <= 0:
-        return 0.0
+    return prefill_chunks(perf, prompt, batch, mean_ctx, chunk)[0]
+
+
+def prefill_chunks(perf: PerfModel, prompt: int, batch: int, mean_ctx: float,
+                   chunk: int = PREFILL_CHUNK_TOKENS) -> tuple[float, int, float, float]:
+    """:func:`prefill_extra_s`, the chunks (engine steps) it takes, the decode step
+    each of them joins, and the share of a step its last full chunk takes over
+    the share its first does (a chunk attends to the prompt before it, so an
+    engine computing a long prompt spends a growing share of its time on it)."""
     if batch < 1:
         batch = 1
     ctx = batch * mean_ctx
     base = perf.step_time(batch, ctx)
+    if prompt <= 0:
+        return 0.0, 0, base, 1.0
     budget = chunk - batch if chunk - batch > 1 else 1
-    total, done = 0.0, 0
+    total, done, n = 0.0, 0, 0
     while done < prompt:
         p = prompt - done if prompt - done < budget else budget
         total += perf.step_time(batch, ctx, p, done + p, p * (done + p * 0.5)) - base
         done += p
-    return total
+        n += 1
+    if n < 2:
+        return total, n, base, 1.0
+    first = perf.step_time(batch, ctx, budget, budget, budget * budget * 0.5) - base
+    at = prompt - budget
+    last = perf.step_time(batch, ctx, budget, at + budget, budget * (at + budget * 0.5)) - base
+    ramp = (last / (base + last)) / (first / (base + first)) if first > 0.0 else 1.0
+    return total, n, base, ramp
 
 
 def saturated_step_s(perf: PerfModel, batch: int, mean_ctx: float,

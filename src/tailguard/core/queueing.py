@@ -181,7 +181,7 @@ class Admission:
             ticket.presumed = True
             node = ticket.node
             node.left_unanswered(math.inf, now)  # no longer awaited
-            node.prompt_done(ticket.backlog)
+            node.prompt_done(ticket.backlog, ticket.prompt_tokens, now)
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
             moved.add(ticket.pool.name)
         for name in sorted(moved):  # a shorter backlog may admit a waiter

@@ -102,8 +102,18 @@ class SampleIntake:
                          None)
 
     def on_decode(self, node: Node, tpot: float, expected: float, batch: int = 1,
-                  now: float | None = None, since: float | None = None) -> None:
-        """A TPOT sample seen at ``now``, over a decode that began at ``since``.
+                  now: float | None = None, since: float | None = None,
+                  share: float = 1.0) -> None:
+        """A TPOT sample seen at ``now``, over a decode that began at ``since``, where
+        the decode step alone is ``share`` of the ``expected`` time per token.
+
+        The rest is the prompt chunks the node computed between its tokens, and
+        the sample counts in proportion to ``share``: an engine that spends 90%
+        of its time on a long prompt's chunks gives tokens at ``step / (1 -
+        duty)``, where a tenth's error in the duty the model puts on the
+        window is a 2x error in the expected time (a healthy A100 computing a
+        31k-token prompt read 1.6x slow). A slow node is slow between prompts
+        too, where its samples count whole.
 
         Where decode is judged in pieces (``segment_s``), the samples one node
         gives in one bucket within a window of ``segment_s`` are one sample,
@@ -128,6 +138,8 @@ class SampleIntake:
             self.stall_samples += 1
             return
         b = decode_bucket(batch)
+        if share < 1.0:  # the log-ratio in proportion: observed as expected x ratio^share
+            tpot = expected * (tpot / expected) ** share
         if now is None or self.config.segment_s <= 0.0:
             self._sample(node, h, h.decode, 1, b, tpot, expected, now, since)
             return
