@@ -12,6 +12,7 @@ import pytest
 
 from tailguard.bench.cli import config_from_args
 from tailguard.errors import ConfigError
+from tailguard.traffic.shapes import SHAPES, write_shape
 from tailguard.traffic.traces import read_trace
 from tailguard.traffic.workload import generate, parse_workload
 
@@ -98,3 +99,40 @@ def test_bench_replays_a_trace_window(tmp_path: Path) -> None:
     args.trace_start = 100.0
     with pytest.raises(ConfigError, match="no request"):
         config_from_args(args)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_each_trace_shape_reads_back_from_its_own_format(tmp_path: Path, name: str) -> None:
+    shape = SHAPES[name]
+    reqs = shape.generate(600.0, seed=3)
+    path = tmp_path / f"{name}.{'csv' if shape.fmt in ('azure', 'burstgpt') else 'jsonl'}"
+    write_shape(path, reqs, shape.fmt)
+    back = read_trace(path)
+    assert back.input_tokens == reqs.input_tokens
+    assert back.output_tokens == reqs.output_tokens
+    # Times as precise as the format keeps them (Mooncake: whole milliseconds),
+    # counted from the first request where the format counts wall-clock time.
+    shift = 0.0 if shape.fmt == "mooncake" else reqs.arrival_s[0]
+    assert max(abs(a - shift - b) for a, b in zip(reqs.arrival_s, back.arrival_s,
+                                                  strict=True)) < 2e-3
+
+
+@pytest.mark.parametrize(("name", "rate", "prompt", "answer"), [
+    ("mooncake-conv", 12_031 / 3600, 12_035, 343),  # Mooncake FAST'25 conversation trace
+    ("azure-code", 2.6, 2_048, 28),  # Azure 2023 code (answers' mean: the fit's, 23)
+    ("azure-conv", 5.5, 1_155, 211),  # Azure 2023 conversation
+])
+def test_trace_shapes_match_their_published_statistics(name: str, rate: float, prompt: float,
+                                                        answer: float) -> None:
+    reqs = SHAPES[name].generate(3600.0, seed=1)
+    assert len(reqs) / 3600.0 == pytest.approx(rate, rel=0.1)
+    assert sum(reqs.input_tokens) / len(reqs) == pytest.approx(prompt, rel=0.1)
+    assert sum(reqs.output_tokens) / len(reqs) == pytest.approx(answer, rel=0.2)
+
+
+def test_the_code_shape_is_bursty() -> None:
+    reqs = SHAPES["azure-code"].generate(3600.0, seed=1)
+    per_minute = [0] * 60
+    for t in reqs.arrival_s:
+        per_minute[int(t // 60)] += 1
+    assert max(per_minute) / (len(reqs) / 60) > 3.0  # Azure's code trace: peak minute 4.2x
