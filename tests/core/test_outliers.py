@@ -599,3 +599,33 @@ def test_stalls_are_not_slowness_but_many_are_flagged() -> None:
     assert rig.det.health[odd.id].reason.startswith("slow: stalls")
     # Silent 5.9 s of each 10 (from its prompt's due): about 2.4x.
     assert odd.weight_scale == pytest.approx(1.0 - 3 * 5.9 / 30.0, abs=0.05)
+
+
+def test_a_node_short_of_kv_cache_is_loaded_not_slow() -> None:
+    """Samples timed while the node's engine was short of KV cache (it queued prompts
+    and preempted decodes), or while the gateway's own count of its requests' KV
+    said so, are the load's: left out, so overload degrades nobody."""
+    from tailguard.core.fleet import EngineReport
+
+    rig = Rig(["A100"] * 4)
+    rig.run(10, {})
+    busy = rig.nodes["A100-80GB#2"]
+    for _ in range(20):
+        rig.now += 1.0
+        busy.report_engine(EngineReport(running=40, waiting=3, kv_usage=0.97, at=rig.now))
+        for _ in range(2):
+            rig.det.on_decode(busy, 0.02 * 3.0, 0.02, 40, rig.now, rig.now - 1.0)
+            rig.det.on_prefill(busy, 0.2 * 4.0, 0.2, rig.now)
+        rig.tick()
+    assert rig.events == []
+    assert rig.det.kv_short_samples == 80
+    # By the gateway's count alone: requests whose prompts fill 90% of its KV.
+    other = rig.nodes["A100-80GB#1"]
+    assert not other.note_kv(rig.now, 200.0, other.perf.kv_capacity_tokens, 1.0)
+    for _ in range(4):
+        other.dispatched(other.perf.kv_capacity_tokens // 4, other.perf.kv_capacity_tokens // 4)
+    assert other.note_kv(rig.now, 200.0, other.perf.kv_capacity_tokens, 1.0)
+    # Once it has had room again for a while, it is judged as before.
+    rig.now += 10.0
+    rig.det.on_decode(busy, 0.02 * 3.0, 0.02, 40, rig.now, rig.now - 1.0)
+    assert rig.det.kv_short_samples == 80

@@ -383,6 +383,7 @@ class Balancer:
         if prefix:
             pool.index().insert(node.id, prefix)
         node.dispatched(ticket.backlog, prompt_tokens)
+        node.note_kv(now, pool.mean_output, node.perf.kv_capacity_tokens, 1.0 + node.remote_ratio)
         chunks, step, ramp = 0, 0.0, 1.0
         if ticket.backlog > 0:
             running = running_batch(node.perf, node.slots, node.fleet_in_flight,

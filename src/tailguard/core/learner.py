@@ -101,6 +101,7 @@ class Learner:
             return
         node.capacity.prefill.update(ttft, expected)
         if self.outliers is not None:
+            self.note_kv(ticket, ticket.t_first)
             batch = ticket.batch_at_dispatch
             tokens = int(ticket.ahead_tokens) + ticket.uncached(cached_tokens or 0)
             self.outliers.on_prefill(node, ttft, expected, ticket.t_first, tokens, batch,
@@ -162,6 +163,7 @@ class Learner:
             node.capacity.decode.update(tpot, expected_step)
             if self.outliers is None:
                 return
+            self.note_kv(ticket, now)
             if ticket.seg_tokens == 1:  # no piece judged while it ran: the whole answer
                 batch, expected_step, share = self.decode_expected(
                     ticket, ticket.batch_at_first, ticket.t_first, ticket.work_at_first,
@@ -248,6 +250,7 @@ class Learner:
         n = tokens - ticket.seg_tokens
         if n < MIN_DECODE_TOKENS:
             return now  # a slow piece: the next chunk may complete it
+        self.note_kv(ticket, now)
         batch, expected, share = self.decode_expected(ticket, ticket.seg_batch, start,
                                                        ticket.seg_work, ticket.seg_areas, now)
         det.on_decode(ticket.node, (now - start) / n, expected, batch, now, start, share)
@@ -257,6 +260,13 @@ class Learner:
         ticket.seg_work = ticket.node.work_at(now)
         ticket.seg_areas = ticket.node.areas_at(now)
         return now + seg_s
+
+    @staticmethod
+    def note_kv(ticket: Ticket, now: float) -> None:
+        """Whether the ticket's node is short of KV cache now (``Load.note_kv``)."""
+        node = ticket.node
+        node.note_kv(now, ticket.pool.mean_output, node.perf.kv_capacity_tokens,
+                     1.0 + node.remote_ratio)
 
     def blame(self, node: Node, outcome: Outcome, now: float) -> None:
         """Charge ``node`` with a failure released unjudged, now that it is the node's.

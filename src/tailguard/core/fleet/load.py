@@ -9,7 +9,15 @@ token, seen or presumed) and :meth:`Load.released` (its end, whatever it was).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, ClassVar
+
+# The share of a node's KV cache its requests may need before the engine is short
+# of it (vLLM preempts at 100%; the gateway's count of the answers is a mean).
+KV_SHORT = 0.9
+# Once it has room again, the engine recomputes the requests it preempted: prefill
+# work the gateway never dispatched. A 100k-token context takes an H100 about 4 s.
+KV_RECOVERY_S = 5.0
 
 
 class Load:
@@ -19,7 +27,7 @@ class Load:
         __slots__ = ()
     FIELDS: ClassVar[tuple[str, ...]] = (
         "area_t", "context_tokens", "ctx_area", "dec_area", "decoding", "dispatched_total",
-        "in_flight", "prefill_backlog", "prefill_tokens_total", "prefilling")
+        "in_flight", "kv_short_at", "prefill_backlog", "prefill_tokens_total", "prefilling")
 
     in_flight: int  # dispatched and not yet released
     prefilling: int  # ... of which still waiting for their first token
@@ -37,8 +45,11 @@ class Load:
     ctx_area: float
     dec_area: float
     area_t: float
+    # When the node was last seen short of KV cache (:meth:`note_kv`).
+    kv_short_at: float
 
     def _init_load(self) -> None:
+        self.kv_short_at = -math.inf
         self.in_flight = self.prefilling = self.prefill_backlog = self.decoding = 0
         self.dispatched_total = self.prefill_tokens_total = 0
         self.context_tokens = 0
@@ -54,6 +65,33 @@ class Load:
                 self.dec_area += self.decoding * dt
             self.area_t = now
         return self.ctx_area, self.dec_area
+
+    def note_kv(self, now: float, answer_tokens: float, kv_tokens: int, scale: float) -> bool:
+        """Whether the requests on the node (``scale`` times this gateway's: the
+        fleet's) need ``KV_SHORT`` of its ``kv_tokens`` or more, their answers at
+        ``answer_tokens`` each; if so, noted as of ``now``.
+
+        An engine short of KV cache queues prompts and preempts decodes, which
+        it then recomputes: a healthy H100 given more long prompts than its
+        cache holds read 3-4x slow. That is the load's doing, not the node's,
+        and the outlier detector leaves out what it timed (``kv_short_since``).
+        """
+        demand = (self.context_tokens + self.prefill_backlog + self.in_flight * answer_tokens) \
+            * scale
+        if demand >= KV_SHORT * kv_tokens:
+            self.kv_short_at = now
+            return True
+        return False
+
+    def engine_kv_short(self, at: float) -> None:
+        """The engine itself reported requests waiting with its KV cache full at ``at``."""
+        if at > self.kv_short_at:
+            self.kv_short_at = at
+
+    def kv_short_since(self, since: float) -> bool:
+        """Whether the node was seen short of KV cache at ``since`` or later, or so
+        shortly before that it was still recomputing what it had preempted."""
+        return self.kv_short_at + KV_RECOVERY_S >= since
 
     def dispatched(self, backlog: int, prompt_tokens: int) -> None:
         """A request was sent here with ``backlog`` prompt tokens to compute."""

@@ -20,7 +20,7 @@ from typing import Protocol
 from tailguard.core.estimate import CapacityEstimate, PeakEwma
 from tailguard.core.fleet.engine_report import NOT_REPORTED, EngineReport
 from tailguard.core.fleet.lifecycle import Lifecycle
-from tailguard.core.fleet.load import Load
+from tailguard.core.fleet.load import KV_SHORT, Load
 from tailguard.core.fleet.peers import PeerView
 from tailguard.core.fleet.silence import Silence
 from tailguard.core.fleet.spec import NodeSpec
@@ -108,6 +108,8 @@ class Node(Lifecycle, Load, PromptWork, Silence, PeerView, Speed):
     def report_engine(self, report: EngineReport) -> None:
         """The engine's latest report (or NOT_REPORTED-like values when stale)."""
         self.engine = report
+        if report.waiting > 0 and report.kv_usage >= KV_SHORT:
+            self.engine_kv_short(report.at)
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

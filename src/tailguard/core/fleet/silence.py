@@ -67,6 +67,7 @@ class Silence:
 
     decoding: int  # read from the node's load
     prefilling: int
+    kv_short_at: float
     awaited: deque[Awaited]
     owed_due: float
     owed_until: float
@@ -198,7 +199,9 @@ class Silence:
         if q and q[0].due <= due:  # the front may be the one answering now: its due counts
             due, limit = q[0].due, self._stall_limit()
         since = due if due > self.progress_t else self.progress_t
-        if now - since >= STALL_S and now - since >= limit:
+        # A silence while the node was short of KV cache (Load.note_kv) is its
+        # prompts queued for room, not a stall.
+        if now - since >= STALL_S and now - since >= limit and self.kv_short_at < since:
             self.stall_from, self.stall_to = since, now
             self.stalls += 1
             self.stalled_s += now - since

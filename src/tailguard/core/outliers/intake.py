@@ -55,6 +55,7 @@ class SampleIntake:
         self._window_t = -math.inf  # when the decode window last closed (_flush_decode)
         self._windows = 0  # decode windows closed so far
         self.stall_samples = 0  # decode samples left out: they timed a stall (on_decode)
+        self.kv_short_samples = 0  # samples left out: their node was short of KV cache
 
     # -- per-request bookkeeping (O(1)) ----------------------------------------
 
@@ -97,6 +98,9 @@ class SampleIntake:
         h = self.health.get(node.id)
         if h is not None:
             h.last_progress = now
+            if node.kv_short_since(now - ttft):  # see on_decode
+                self.kv_short_samples += 1
+                return
             b = prefill_bucket(tokens) + TOKEN_BUCKETS * decode_bucket(batch)
             self._sample(node, h, h.prefill, 0, b + QUEUED if queued else b, ttft, expected,
                          None)
@@ -132,10 +136,19 @@ class SampleIntake:
         h = self.health.get(node.id)
         if h is None or tpot <= 0.0 or expected <= 0.0:
             return
+        if now is not None:  # tokens came: the node is not hung, however queued its prompts
+            h.last_progress = now
         if since is not None and now is not None and node.spans_stall(since, now):
             # It timed a stall (Node.spans_stall), which the router dodges as it
             # happens: the node's speed is what it does between stalls.
             self.stall_samples += 1
+            return
+        if since is not None and node.kv_short_since(since):
+            # Its node was short of KV cache meanwhile (Load.note_kv): the engine
+            # queued prompts and preempted decodes to recompute them, which is the
+            # load's doing. Overload is met by admission and shedding, never by
+            # ejecting the nodes that carry it.
+            self.kv_short_samples += 1
             return
         b = decode_bucket(batch)
         if share < 1.0:  # the log-ratio in proportion: observed as expected x ratio^share
