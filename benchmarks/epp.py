@@ -54,7 +54,7 @@ from tailguard.config.fleet import parse_fleet
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.epp.envoy_config import envoy_yaml
-from tailguard.sim.capacity import capacity_bound
+from tailguard.sim.fleet_bound import capacity_bound
 from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"

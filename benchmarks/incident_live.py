@@ -45,7 +45,7 @@ from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.gateway.app import run_gateway
-from tailguard.sim.capacity import capacity_bound
+from tailguard.sim.fleet_bound import capacity_bound
 from tailguard.traffic.workload import parse_length_dist
 
 INPUT = {"dist": "lognormal", "mu": 8.0, "sigma": 0.5, "max": 16000}

@@ -44,7 +44,7 @@ from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.engine import EngineConfig
 from tailguard.gateway.app import run_gateway
 from tailguard.planner.plan import plan_groups
-from tailguard.sim.capacity import capacity_bound
+from tailguard.sim.fleet_bound import capacity_bound
 from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"

@@ -61,7 +61,7 @@ from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import Record, summarize
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
-from tailguard.sim.capacity import capacity_bound
+from tailguard.sim.fleet_bound import capacity_bound
 from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"

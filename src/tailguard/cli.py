@@ -149,7 +149,8 @@ def _sweep_table(doc: dict[str, Any]) -> Table:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from tailguard.sim.capacity import fleet_capacity, misses_alone
+    from tailguard.sim.capacity import misses_alone
+    from tailguard.sim.fleet_bound import binding_slos, fleet_bound
     from tailguard.sim.scenario import load_scenario
 
     scn = load_scenario(args.scenario)
@@ -162,35 +163,59 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         def step(done: int, total: int, node: str) -> None:
             bar.update(task, completed=done, node=f"{node} ({done}/{total})")
 
-        cap = fleet_capacity(scn, progress=step)
+        fc = fleet_bound(scn, progress=step)
+        binds = binding_slos(scn, fc)
+    cap = fc.nodes
     plans = {p.id: p for p in scn.nodes()}
-    table = Table(title=f"SLO capacity of each node alone ({scn.model}, TTFT <= {scn.slo.ttft_s} s,"
-                        f" TPOT <= {scn.slo.tpot_s} s, attainment {scn.slo.attainment})")
-    for col in ("node", "gpu", "tp", "KV tokens", "capacity req/s", "missed alone"):
-        table.add_column(col, justify="left" if col in ("node", "gpu") else "right")
+    split = fc.bands is not None
+    title = "SLO capacity of each node" + (" on its band of the requests" if split else " alone")
+    table = Table(title=f"{title} ({scn.model}, TTFT <= {scn.slo.ttft_s} s, TPOT <= "
+                        f"{scn.slo.tpot_s} s, attainment {scn.slo.attainment})")
+    cols = ["node", "gpu", "tp", "KV tokens", "capacity req/s",
+            *(["prompt tokens", "share"] if split else []), "binds", "missed alone"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("node", "gpu", "binds") else "right")
     misses = {nid: misses_alone(scn, plans[nid]) for nid in cap}
     for nid, rps in cap.items():
         p = plans[nid]
+        name = nid.split("#")[0]
         missed = ", ".join(f"{share:.1%} {why.upper()}" for why, share in
                            sorted(misses[nid].items(), key=lambda kv: -kv[1])) or "-"
+        band = (fc.bands or {}).get(name)
+        cells = [f"{band.prompt_min}-{band.prompt_max}", f"{band.share:.1%}"] if band else \
+            (["-", "-"] if split else [])
         table.add_row(nid, p.perf.gpu.name, str(p.perf.tp), str(p.perf.kv_capacity_tokens),
-                      f"{rps:.2f}", missed)
-    table.add_row("fleet", "", "", "", f"{sum(cap.values()):.2f}", "", style="bold")
+                      f"{rps:.2f}", *cells, binds.get(name, "-").upper(), missed)
+    table.add_row("fleet", "", "", "", f"{fc.bound:.2f}", *(["", ""] if split else []), "", "",
+                  style="bold")
     out = Console() if Console().is_terminal else Console(width=160)
     out.print(table)
-    blocked = sorted({plans[nid].perf.gpu.name for nid, m in misses.items()
-                      if sum(m.values()) > 1.0 - scn.slo.attainment})
-    if blocked:
-        out.print(f"{', '.join(blocked)}: more than {1.0 - scn.slo.attainment:.1%} of the "
-                  "requests miss the SLO on such a node even alone (\"missed alone\": the KV "
-                  "cache cannot hold them, or their prefill or a lone decode step is too "
-                  "slow), so no rate reaches the attainment target there and its capacity "
-                  "is 0. A fleet bound with such nodes understates the fleet; `load:` then "
-                  "offers little: give the workload a `rate:` instead.")
+    allowed = 1.0 - scn.slo.attainment
+    if split:
+        out.print("Some nodes cannot serve the whole mix (\"missed alone\"), so the fleet is "
+                  "split: each class is rated on its band of the requests by prompt length, "
+                  "its nodes pooled, and the fleet's bound is the rate at which every class "
+                  f"carries its share ({fc.missed:.2%} of the requests no node serves).")
+    elif fc.bound <= 0.0 and fc.missed > allowed:
+        out.print(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
+                  f"more than the {allowed:.1%} the attainment target allows: no rate "
+                  "reaches it on this fleet.")
+    else:
+        blocked = sorted({plans[nid].perf.gpu.name for nid, m in misses.items()
+                          if sum(m.values()) > allowed})
+        if blocked:
+            out.print(f"{', '.join(blocked)}: more than {allowed:.1%} of the requests miss "
+                      "the SLO on such a node even alone (\"missed alone\"), so its capacity "
+                      "is 0.")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"scenario": scn.name, "capacity_bound_rps": sum(cap.values()),
-             "node_capacity_rps": cap, "node_missed_alone": misses}, indent=2) + "\n")
+        doc: dict[str, Any] = {
+            "scenario": scn.name, "capacity_bound_rps": fc.bound, "node_capacity_rps": cap,
+            "node_missed_alone": misses, "binds": binds}
+        if fc.bands:
+            doc["capacity_bands"] = {name: {"prompt_tokens": [b.prompt_min, b.prompt_max],
+                                            "share": b.share} for name, b in fc.bands.items()}
+            doc["missed_by_all"] = fc.missed
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

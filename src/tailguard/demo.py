@@ -42,7 +42,7 @@ from tailguard.core.events import Event
 from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
-from tailguard.sim.capacity import capacity_bound
+from tailguard.sim.fleet_bound import capacity_bound
 from tailguard.traffic.workload import parse_length_dist
 
 MODEL = "llama-3.1-8b"

@@ -28,7 +28,8 @@ are in ``benchmarks/README.md`` (planner and capacity).
 The fleet's **capacity bound** is the sum over nodes of their SLO capacities:
 a fleet cannot do better than every node working on its own at its limit, and
 a good router gets close because pooling only helps. ``load: 0.8`` in a
-scenario means 80% of this bound. Nodes of the same GPU, TP and engine
+scenario means 80% of this bound. Where some nodes cannot serve the whole mix
+(long prompts), :mod:`tailguard.sim.fleet_bound` splits it among them. Nodes of the same GPU, TP and engine
 settings share one computation; results are memoised per process.
 """
 
@@ -37,15 +38,14 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from tailguard.core.hardware import PerfModel
 from tailguard.core.policies import Slo
 from tailguard.engine import EngineConfig
 from tailguard.sim.cluster import run_cluster
 from tailguard.sim.results import attainment
-from tailguard.sim.scenario import NodePlan, Scenario, parse_scenario
+from tailguard.sim.scenario import NodePlan, Scenario
 from tailguard.traffic.workload import sample_lengths
 
 PROBE_REQUESTS = 1500
@@ -81,6 +81,7 @@ class ProbeStream:
     def __init__(self, scn: Scenario, chunk: int = PROBE_REQUESTS) -> None:
         self._scn, self._chunk = scn, chunk
         first = probe_workload(scn, chunk)
+        self.seed = scn.seed
         self._key = (scn.seed, *first)
         self.gaps, self.prompts, self.outputs = list(first[0]), list(first[1]), list(first[2])
 
@@ -259,18 +260,3 @@ def fleet_capacity(scn: Scenario,
         if progress is not None:
             progress(i + 1, len(plans), plan.id)
     return out
-
-
-def capacity_bound(model: str, slo: Slo, fleet: Sequence[tuple[str, int]],
-                   input_tokens: Mapping[str, Any], output_tokens: Mapping[str, Any],
-                   tp: int = 1) -> float:
-    """The SLO capacity bound (req/s) of ``fleet`` ((GPU, count) pairs, replicas of
-    ``tp`` GPUs) serving ``model`` at the given length distributions (scenario syntax)."""
-    scn = parse_scenario({
-        "name": "bound", "seed": 1, "model": model,
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-        "fleet": [{"gpu": g, "count": c, "tp": tp} for g, c in fleet],
-        "workload": {"duration_s": 60, "warmup_s": 0, "arrival": {"process": "poisson", "rate": 1},
-                     "input_tokens": dict(input_tokens), "output_tokens": dict(output_tokens)},
-    })
-    return sum(fleet_capacity(scn).values())

@@ -14,8 +14,8 @@ from typing import Any
 from tailguard.core.limits import LimitConfig
 from tailguard.errors import ConfigError
 from tailguard.sim.admission_report import admission_report, draw_priorities
-from tailguard.sim.capacity import fleet_capacity
 from tailguard.sim.cluster import RunRecord, run_cluster
+from tailguard.sim.fleet_bound import fleet_bound
 from tailguard.sim.results import compute_result
 from tailguard.sim.scenario import PolicyChoice, Scenario
 from tailguard.sim.stragglers import outlier_report
@@ -169,8 +169,8 @@ def simulate(
     ``records``, when given, receives each policy's :class:`RunRecord` by label.
     """
     scn = with_options(scn, opts)
-    capacity = fleet_capacity(scn)
-    bound = sum(capacity.values())
+    fc = fleet_bound(scn)
+    capacity, bound = fc.nodes, fc.bound
     rate = offered_rate(scn, bound)
     if rate is not None and rate <= 0:
         raise ConfigError("workload.arrival", "the fleet has no SLO capacity for this workload")
@@ -178,7 +178,7 @@ def simulate(
     offered = rate if rate is not None else len(reqs) / max(scn.workload.duration_s, 1e-9)
     warnings = []
     zero = sorted({nid.split("#")[0] for nid, cap in capacity.items() if cap <= 0.0})
-    if zero and scn.workload.arrival.load is not None:
+    if zero and fc.bands is None and scn.workload.arrival.load is not None:
         warnings.append(f"{', '.join(zero)}: SLO capacity 0 for this workload (too many of its "
                         "requests miss the SLO there even alone: `tailguard capacity` says "
                         "why), so the `load:` bound understates the fleet")
@@ -198,6 +198,9 @@ def simulate(
                 "attainment": scn.slo.attainment},
         "capacity_bound_rps": round(bound, 6),
         "node_capacity_rps": {k: round(v, 6) for k, v in capacity.items()},
+        **({"capacity_bands": {name: {"prompt_tokens": [b.prompt_min, b.prompt_max],
+                                      "share": round(b.share, 4), "binds": b.binds}
+                               for name, b in fc.bands.items()}} if fc.bands else {}),
         "results": results,
         **({"warnings": warnings} if warnings else {}),
     }

@@ -1,0 +1,60 @@
+"""The fleet's capacity bound where some nodes cannot serve the whole workload (issue 42):
+long prompts split the fleet into bands, and the bound means what it says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tailguard.sim.fleet_bound import binding_slos, fleet_bound
+from tailguard.sim.run import simulate
+from tailguard.sim.scenario import PolicyChoice, parse_scenario
+
+FLEET = [{"gpu": "H100-SXM", "count": 2}, {"gpu": "A100-80GB", "count": 2},
+         {"gpu": "L4", "count": 2}]
+
+
+def scenario(mu: float, rate: float | None = None, **arrival: Any) -> dict[str, Any]:
+    return {
+        "name": "bound", "seed": 5, "model": "llama-3.1-8b",
+        "slo": {"ttft_s": 5.0, "tpot_s": 0.15}, "fleet": FLEET,
+        "workload": {"duration_s": 900, "warmup_s": 60,
+                     "arrival": {"process": "poisson",
+                                 **({"rate": rate} if rate is not None else {"load": 0.8}),
+                                 **arrival},
+                     "input_tokens": {"dist": "lognormal", "mu": mu, "sigma": 0.9,
+                                      "max": 120_000},
+                     "output_tokens": {"dist": "lognormal", "mu": 5.5, "sigma": 0.8,
+                                       "max": 2000}},
+    }
+
+
+def test_long_prompts_split_the_fleet_and_the_bound_holds() -> None:
+    scn = parse_scenario(scenario(9.0))
+    fc = fleet_bound(scn)
+    assert fc.bands is not None and fc.bound > 0.0
+    bands = [fc.bands[g] for g in ("L4", "A100-80GB", "H100-SXM")]
+    # Weakest first: shortest prompts to the L4s, the longest to the H100s.
+    assert bands[0].prompt_max < bands[1].prompt_min <= bands[1].prompt_max < bands[2].prompt_min
+    assert sum(b.share for b in bands) + fc.missed == pytest.approx(1.0)
+    assert all(fc.nodes[f"{g}#0"] > 0.0 for g in ("L4", "A100-80GB", "H100-SXM"))
+    assert set(binding_slos(scn, fc).values()) <= {"ttft", "tpot"}
+    # The fleet carries 0.7 of its bound within the SLO, and not twice the bound.
+    runs = {}
+    for share in (0.7, 2.0):
+        res = simulate(parse_scenario(scenario(9.0, rate=fc.bound * share)),
+                       [PolicyChoice("tailguard")])
+        runs[share] = res["results"]["tailguard"]["slo_attainment"]
+    assert runs[0.7] >= 0.99 and runs[2.0] < 0.9
+
+
+def test_short_prompts_keep_the_sum_of_the_nodes() -> None:
+    fc = fleet_bound(parse_scenario(scenario(6.5)))
+    assert fc.bands is None
+    assert fc.bound == pytest.approx(sum(fc.nodes.values())) and fc.bound > 0.0
+
+
+def test_prompts_no_node_can_serve_leave_no_capacity() -> None:
+    fc = fleet_bound(parse_scenario(scenario(11.0)))  # median 60k tokens: most beyond a 5 s TTFT
+    assert fc.bound == 0.0
