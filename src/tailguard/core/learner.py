@@ -101,7 +101,6 @@ class Learner:
             return
         node.capacity.prefill.update(ttft, expected)
         if self.outliers is not None:
-            self.note_kv(ticket, ticket.t_first)
             batch = ticket.batch_at_dispatch
             tokens = int(ticket.ahead_tokens) + ticket.uncached(cached_tokens or 0)
             self.outliers.on_prefill(node, ttft, expected, ticket.t_first, tokens, batch,

@@ -79,7 +79,8 @@ class Load:
         demand = (self.context_tokens + self.prefill_backlog + self.in_flight * answer_tokens) \
             * scale
         if demand >= KV_SHORT * kv_tokens:
-            self.kv_short_at = now
+            if now > self.kv_short_at:
+                self.kv_short_at = now
             return True
         return False
 
