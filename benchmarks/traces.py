@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tailguard.sim.fleet_bound import fleet_bound
 from tailguard.sim.run import simulate
-from tailguard.sim.scenario import PolicyChoice, parse_scenario
+from tailguard.sim.scenario import PolicyChoice, Scenario, parse_scenario
 from tailguard.traffic.shapes import SHAPES, write_shape
 
 # Each shape's fleet and SLO: the for the Mooncake and Azure traces.
@@ -43,8 +44,8 @@ SETUPS: dict[str, tuple[list[dict[str, Any]], dict[str, float]]] = {
 SUFFIX = {"azure": "csv", "burstgpt": "csv", "mooncake": "jsonl", "tailguard": "jsonl"}
 
 
-def run(shape: str, trace: Path, load: float, policies: list[str], duration: float, seed: int,
-        throttle: bool) -> dict[str, Any]:
+def scenario(shape: str, trace: Path, load: float, policies: list[str], duration: float,
+             seed: int, throttle: bool) -> Scenario:
     fleet, slo = SETUPS[shape]
     victim = f"{fleet[0]['gpu']}#0"
     raw = {
@@ -56,7 +57,13 @@ def run(shape: str, trace: Path, load: float, policies: list[str], duration: flo
                     "duration_s": duration / 3}] if throttle else [],
         "policies": policies,
     }
-    doc = simulate(parse_scenario(raw), [PolicyChoice(p) for p in policies])
+    return parse_scenario(raw)
+
+
+def run(shape: str, trace: Path, load: float, policies: list[str], duration: float, seed: int,
+        throttle: bool) -> dict[str, Any]:
+    doc = simulate(scenario(shape, trace, load, policies, duration, seed, throttle),
+                   [PolicyChoice(p) for p in policies])
     out: dict[str, Any] = {"bound": doc["capacity_bound_rps"], "results": {}}
     for name, r in doc["results"].items():
         rep = r.get("outliers") or {}
@@ -82,13 +89,18 @@ def main() -> None:
     policies = args.policies.split(",")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        loads = [float(x) for x in args.loads.split(",")]
         for shape in args.shapes.split(","):
             spec = SHAPES[shape]
-            # Long enough that a load of 0.6 still spans the run once the rate is scaled.
-            reqs = spec.generate(args.duration * 20.0, seed=args.seed)
             trace = Path(tmp) / f"{shape}.{SUFFIX[spec.fmt]}"
-            write_shape(trace, reqs, spec.fmt)
-            for load in (float(x) for x in args.loads.split(",")):
+            # The fleet's bound on the shape's lengths, then a trace long enough to
+            # span the run at the highest load once its rate is scaled to it.
+            write_shape(trace, spec.generate(3600.0, seed=args.seed), spec.fmt)
+            bound = fleet_bound(scenario(shape, trace, 1.0, policies, args.duration, args.seed,
+                                         False)).bound
+            span = args.duration * max(loads) * bound / spec.rate * 1.3
+            write_shape(trace, spec.generate(max(span, args.duration), seed=args.seed), spec.fmt)
+            for load in loads:
                 for throttle in (False, True):
                     t0 = time.time()
                     res = run(shape, trace, load, policies, args.duration, args.seed, throttle)
@@ -98,7 +110,8 @@ def main() -> None:
                         rows.append(row)
                         det = "-" if r["detected_s"] is None else f"{r['detected_s']:.0f} s"
                         print(f"{shape:14s} load {load:.1f} {'throttle' if throttle else 'healthy ':8s}"
-                              f" {pol:14s} bound {res['bound']:6.2f} req/s  att {r['attainment']:.3f}"
+                              f" {pol:14s} bound {res['bound']:6.2f} req/s  {r['requests']:6d} req"
+                              f"  att {r['attainment']:.3f}"
                               f"  TTFT p99 {r['ttft_p99']:7.2f} s  TPOT p99 {r['tpot_p99']:.3f} s"
                               f"  false {r['false']:3d} (quarantines {r['false_quarantines']})"
                               f"  detected {det}  ({time.time() - t0:.0f} s)", flush=True)
