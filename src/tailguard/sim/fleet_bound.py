@@ -260,14 +260,17 @@ def _split(scn: Scenario, classes: list[_Class], stream: ProbeStream) -> FleetCa
     return best
 
 
-def fleet_bound(scn: Scenario,
-                progress: Callable[[int, int, str], None] | None = None) -> FleetCapacity:
+def fleet_bound(scn: Scenario, progress: Callable[[int, int, str], None] | None = None,
+                split: bool = True) -> FleetCapacity:
     """Each node's SLO capacity and the fleet's bound; split where some class cannot
-    serve the whole mix (module docstring)."""
+    serve the whole mix (module docstring), unless ``split`` is False (the sum: the
+    split's probes take 10-25 s of simulation on a long-prompt fleet)."""
     caps = fleet_capacity(scn, progress)
     plans = scn.nodes()
     stream = ProbeStream.shared(scn)
     whole = FleetCapacity(caps, sum(caps.values()))
+    if not split:
+        return whole
     stream = ProbeStream.shared(scn)
     prompts, outputs = stream.prompts[:PROBE_REQUESTS], stream.outputs[:PROBE_REQUESTS]
     groups: dict[tuple[PerfModel, EngineConfig], list[NodePlan]] = {}
@@ -289,12 +292,12 @@ def fleet_bound(scn: Scenario,
         return whole
     # Weakest first: the class that serves the fewest requests, then the slowest.
     classes.sort(key=lambda c: (sum(c.ok), -sum(c.work)))
-    split = _split(scn, classes, stream)
-    if split is None or split.bound <= whole.bound:
+    found = _split(scn, classes, stream)
+    if found is None or found.bound <= whole.bound:
         return whole
     for plan in plans:  # classes that serve nothing
-        split.nodes.setdefault(plan.id, 0.0)
-    return split
+        found.nodes.setdefault(plan.id, 0.0)
+    return found
 
 
 def binding_slos(scn: Scenario, fc: FleetCapacity) -> dict[str, str]:

@@ -169,7 +169,9 @@ def simulate(
     ``records``, when given, receives each policy's :class:`RunRecord` by label.
     """
     scn = with_options(scn, opts)
-    fc = fleet_bound(scn)
+    # The split bound only where it is used: a workload that gives its rate reports
+    # the sum of its nodes' capacities.
+    fc = fleet_bound(scn, split=scn.workload.arrival.load is not None or opts.find_goodput)
     capacity, bound = fc.nodes, fc.bound
     rate = offered_rate(scn, bound)
     if rate is not None and rate <= 0:
