@@ -15,13 +15,13 @@ compute beside its next decodes.
 The computation itself (``prefill_work_s``, roofline seconds of extra
 decode-step time) is spread over the time each prompt computes
 (:meth:`PromptWork.work_at`): the engine takes waiting prompts first come,
-first served, so a prompt accrues from when those ahead of it are expected
-done to its predicted first token, at a rate that rises with its position
-(a chunk late in a long prompt attends to all of the prompt before it: the
-last chunk of a 120k-token prompt costs an H100 four times its first); the
-rest is credited at its first token. A decode judged in one-second pieces
-then sees the prompt chunks that slowed it while it ran, not in the piece
-after, nor spread over the seconds it waited behind another prompt.
+first served, a chunk a step, so a prompt accrues from when those ahead of it
+are expected done, over its chunks' steps (the balancer sets both), at a rate
+that rises along the prompt (a chunk late in a long prompt attends to all of
+the prompt before it, so it takes a growing share of each step); the rest is
+credited at its first token. A decode judged in one-second pieces then sees
+the prompt chunks that slowed it while it ran, not in the piece after, nor
+while the prompt waited behind another.
 """
 
 from __future__ import annotations
@@ -124,9 +124,8 @@ class PromptWork:
     def start_work(self, seconds: float, begin: float, end: float, now: float,
                    chunks: int = 1, ramp: float = 1.0) -> list[float] | None:
         """A prompt of ``seconds`` of work in ``chunks`` prefill chunks dispatched at
-        ``now``, expected to compute from ``begin`` to ``end``, its last chunk
-        ``ramp`` times as costly as its first; returns its accrual, for
-        :meth:`end_work`."""
+        ``now``, expected to compute from ``begin`` to ``end`` at a rate that ends
+        ``ramp`` times where it began; returns its accrual, for :meth:`end_work`."""
         self.work_at(now)
         if end <= begin or seconds <= 0.0:
             return None
