@@ -253,3 +253,23 @@ def test_prompt_work_accrues_while_it_computes() -> None:
     b.on_first_token(t, 40.05)
     b.on_finish(t, 42.0, Outcome.OK, 100)
     assert node.work_at(42.0) == pytest.approx(0.75 + t.work)
+
+
+def test_prompts_accrue_first_come_first_served_at_a_rising_share() -> None:
+    """A prompt's work accrues once those ahead of it are expected done, over its own
+    span, at a rate rising by ``ramp`` (its late chunks attend to more of it): the
+    integral is its work whatever the ramp, and a first token credits the rest."""
+    b = make(1)
+    node = b.nodes["n0"]
+    first = node.start_work(1.0, 10.0, 12.0, 10.0, chunks=4, ramp=3.0)  # rate 0.25 -> 0.75
+    assert node.work_free_at(10.0) == 12.0
+    second = node.start_work(0.5, node.work_free_at(10.0), 13.0, 10.0, chunks=2)
+    assert node.chunk_s() == pytest.approx(1.5 / 6)
+    assert node.work_at(11.0) == pytest.approx(0.375)  # 0.25 a second rising to 0.5: its lighter half
+    assert node.work_at(12.0) == pytest.approx(1.0)  # whole by its end; the second not begun
+    assert node.work_at(12.5) == pytest.approx(1.25)
+    node.end_work(1.0, first, 12.5)  # accrued whole already: nothing more
+    node.end_work(0.5, second, 12.5)  # an early first token: the rest at once
+    assert node.work_at(12.5) == pytest.approx(1.5)
+    assert node.work_at(20.0) == pytest.approx(1.5) and node.work_rate == 0.0
+    assert node.chunk_s() == 0.0 and node.work_free_at(20.0) == 20.0
