@@ -19,7 +19,7 @@ def scenario(mu: float, rate: float | None = None, **arrival: Any) -> dict[str, 
     return {
         "name": "bound", "seed": 5, "model": "llama-3.1-8b",
         "slo": {"ttft_s": 5.0, "tpot_s": 0.15}, "fleet": FLEET,
-        "workload": {"duration_s": 900, "warmup_s": 60,
+        "workload": {"duration_s": 600, "warmup_s": 60,
                      "arrival": {"process": "poisson",
                                  **({"rate": rate} if rate is not None else {"load": 0.8}),
                                  **arrival},
