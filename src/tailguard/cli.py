@@ -28,8 +28,11 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 def _sim_table(doc: dict[str, Any]) -> Table:
     slo = doc["slo"]
-    table = Table(title=f"{doc['scenario']}: capacity bound {doc['capacity_bound_rps']:.1f} req/s, "
-                        f"SLO ttft {slo['ttft_s']} s / tpot {slo['tpot_s']} s")
+    bands = doc.get("capacity_bands")
+    split = (" split by prompt tokens: " + ", ".join(
+        f"{gpu} to {band['prompt_tokens'][1]}" for gpu, band in bands.items())) if bands else ""
+    table = Table(title=f"{doc['scenario']}: capacity bound {doc['capacity_bound_rps']:.1f} req/s"
+                        f"{split}, SLO ttft {slo['ttft_s']} s / tpot {slo['tpot_s']} s")
     for col in ("policy", "offered/s", "done", "failed", "TTFT p50", "TTFT p99", "TPOT p50",
                 "TPOT p99", "E2E p99", "SLO att.", "goodput/s"):
         table.add_column(col, justify="right" if col != "policy" else "left")
