@@ -83,15 +83,17 @@ def prefill_chunks(perf: PerfModel, prompt: int, batch: int, mean_ctx: float,
     if prompt <= 0:
         return 0.0, 0, base, 1.0
     budget = chunk - batch if chunk - batch > 1 else 1
-    total, done, n = 0.0, 0, 0
+    total, done, n, first = 0.0, 0, 0, 0.0
     while done < prompt:
         p = prompt - done if prompt - done < budget else budget
-        total += perf.step_time(batch, ctx, p, done + p, p * (done + p * 0.5)) - base
+        cost = perf.step_time(batch, ctx, p, done + p, p * (done + p * 0.5)) - base
+        if n == 0:
+            first = cost  # a full chunk where there are two or more
+        total += cost
         done += p
         n += 1
     if n < 2:
         return total, n, base, 1.0
-    first = perf.step_time(batch, ctx, budget, budget, budget * budget * 0.5) - base
     at = prompt - budget
     last = perf.step_time(batch, ctx, budget, at + budget, budget * (at + budget * 0.5)) - base
     ramp = (last / (base + last)) / (first / (base + first)) if first > 0.0 else 1.0
