@@ -98,12 +98,22 @@ class Engine(Scheduler):
         now: float,
         blocks: tuple[int, ...] = (),
         block_tokens: int = 0,
+        *,
+        remote_kv: bool = False,
+        hold_kv: bool = False,
     ) -> None:
         """Queue a request; a request that can never fit fails at once (see module docstring).
 
         ``blocks`` are the hashes of its full ``block_tokens``-token blocks of
         prompt and then answer (chained: equal hashes, equal prefix), for the
         prefix cache; the prompt's are looked up at admission.
+
+        Disaggregated serving (vLLM's P/D): ``remote_kv`` on a decode instance,
+        the prompt's KV has arrived from a prefill instance, so admission takes
+        its blocks and computes only the last prompt token (a preemption drops
+        the KV and the prompt is then computed here); ``hold_kv`` on a prefill
+        instance, the request's KV stays held after it ends, until
+        :meth:`release_kv` (the decode side has pulled it, or gave up).
         """
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("prompt_tokens and output_tokens must be >= 1")
@@ -119,7 +129,10 @@ class Engine(Scheduler):
             self._truncate()
             if blocks and block_tokens < 1:
                 raise ValueError("blocks need block_tokens >= 1")
-            r = Request(req_id, prompt_tokens, output_tokens, blocks, block_tokens)
+            if req_id in self._held:
+                raise ValueError(f"request {req_id} still holds KV here")
+            r = Request(req_id, prompt_tokens, output_tokens, blocks, block_tokens,
+                        remote_kv, hold_kv)
             self._reqs[req_id] = r
             self._waiting.append(r)
             self._num_waiting += 1
@@ -129,6 +142,8 @@ class Engine(Scheduler):
 
     def cancel(self, req_id: int, now: float) -> bool:
         """Remove a request wherever it is and free its KV; False if it is not held."""
+        if req_id in self._held:
+            return self.release_kv(req_id, now)
         self._bring_to(now)
         r = self._reqs.pop(req_id, None)
         if r is None:
@@ -148,6 +163,26 @@ class Engine(Scheduler):
             self._leave_decode(r)
             del self._running[req_id]
         r.state = GONE
+        self._update_next()
+        return True
+
+    def release_kv(self, req_id: int, now: float) -> bool:
+        """Free the KV a finished ``hold_kv`` request holds (its blocks join the
+        prefix cache as other finished requests' do); False if it holds none."""
+        self._bring_to(now)
+        held = self._held.pop(req_id, None)
+        if held is None:
+            self._update_next()
+            return False
+        r, n = held
+        self._held_blocks -= n
+        if r.blocks and self._pc is not None:
+            self._cache_done(r)
+        if self._num_waiting and not self._crashed:
+            if self._seg is None:
+                self._compose(now)
+            else:
+                self._truncate()  # the room may admit a waiting prompt at the next step
         self._update_next()
         return True
 
@@ -204,6 +239,8 @@ class Engine(Scheduler):
         self._running.clear()
         self._prefilling.clear()
         self._pre_blocks = 0
+        self._held.clear()
+        self._held_blocks = 0
         dec.clear()
         self._seg = None
         self._crashed = True
@@ -240,7 +277,17 @@ class Engine(Scheduler):
 
     @property
     def kv_used_blocks(self) -> int:
-        return self._dec.blocks(self._steps) + self._pre_blocks
+        return self._dec.blocks(self._steps) + self._pre_blocks + self._held_blocks
+
+    @property
+    def kv_held_blocks(self) -> int:
+        """Blocks of finished prefills held for their decode side (``hold_kv``)."""
+        return self._held_blocks
+
+    @property
+    def num_held(self) -> int:
+        """Finished prefills whose KV is held for their decode side."""
+        return len(self._held)
 
     @property
     def kv_used_tokens(self) -> int:

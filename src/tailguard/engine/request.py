@@ -20,9 +20,11 @@ class Request:
         "first_done",
         "g0",
         "gen",
+        "hold",
         "nheld",
         "output",
         "prompt",
+        "remote",
         "rid",
         "s0",
         "state",
@@ -30,7 +32,8 @@ class Request:
     )
 
     def __init__(
-        self, rid: int, prompt: int, output: int, blocks: tuple[int, ...] = (), bt: int = 0
+        self, rid: int, prompt: int, output: int, blocks: tuple[int, ...] = (), bt: int = 0,
+        remote: bool = False, hold: bool = False,
     ) -> None:
         self.rid = rid
         self.prompt = prompt
@@ -47,6 +50,12 @@ class Request:
         self.blocks = blocks  # hashes of its full blocks of prompt + answer (bt tokens each)
         self.bt = bt
         self.nheld = 0  # leading blocks it holds a reference on in the prefix cache
+        # Disaggregated serving: its prompt's KV came from a prefill instance (all but
+        # the last token counts as computed, until a preemption drops it) ...
+        self.remote = remote
+        # ... or, on a prefill instance, its KV stays held after it ends until the
+        # decode side has taken it (Engine.release_kv).
+        self.hold = hold
 
 
 def blocks_for(tokens: int, bs: int) -> int:

@@ -131,6 +131,10 @@ class Scheduler:
         self._running: dict[int, Request] = {}  # admission order
         self._prefilling: dict[int, Request] = {}  # admission order, subset of running
         self._pre_blocks = 0  # KV blocks held by prefilling requests
+        # A prefill instance's finished prompts whose KV the decode side has not
+        # taken yet (request id -> it and its blocks): held, so not free.
+        self._held: dict[int, tuple[Request, int]] = {}
+        self._held_blocks = 0
 
         self._dec = DecodeBatch(bs)
 
@@ -173,6 +177,7 @@ class Scheduler:
             r.alloc = 0
         r.state = WAITING
         r.cached = 0
+        r.remote = False  # its transferred KV is gone with the rest: recomputed here
         if r.nheld:
             self._uncache(r)
         self._waiting.appendleft(r)
@@ -209,20 +214,16 @@ class Scheduler:
                 if r.gen >= r.output:
                     del self._running[r.rid]
                     del self._reqs[r.rid]
-                    r.state = GONE
-                    if r.blocks and self._pc is not None:
-                        self._cache_done(r)
+                    self._done(r)
                     out.append((t, FINISH, r.rid))
                 else:
                     self._join_decode(r)
         for r in self._dec.finished_by(steps):
             self._leave_decode(r)
-            r.state = GONE
             rid = r.rid
             del self._running[rid]
             del self._reqs[rid]
-            if r.blocks and self._pc is not None:
-                self._cache_done(r)
+            self._done(r)
             out.append((t, FINISH, rid))
         if len(out) - mark > 1:
             out[mark:] = sorted(out[mark:])
@@ -230,9 +231,20 @@ class Scheduler:
         if not self._crashed:
             self._compose(t)
 
+    def _done(self, r: Request) -> None:
+        """A request has generated its last token: its KV is freed, or held for the
+        decode side when it is a disaggregated prefill (``Request.hold``)."""
+        r.state = GONE
+        if r.hold:
+            n = blocks_for(r.prompt + r.output - 1, self._bs)
+            self._held[r.rid] = (r, n)
+            self._held_blocks += n
+        elif r.blocks and self._pc is not None:
+            self._cache_done(r)
+
     def _compose(self, t: float) -> None:
         """Compose the step that starts at ``t`` (vLLM V1 ``schedule()``) and the segment it opens."""
-        used = self._dec.blocks(self._steps) + self._pre_blocks
+        used = self._dec.blocks(self._steps) + self._pre_blocks + self._held_blocks
         preempted = False
         # 1. decode growth: preempt from the back until the batch fits
         while used > self._num_blocks:
@@ -298,7 +310,11 @@ class Scheduler:
                 continue
             target = r.prompt + r.gen
             k = hit = 0
-            if r.blocks and pc is not None:
+            if r.remote:
+                # Its prompt's KV arrived from a prefill instance (vLLM computes the
+                # last token again, as on a full prefix-cache hit).
+                hit = target - 1
+            elif r.blocks and pc is not None:
                 # vLLM computes at least the last prompt token itself.
                 k = pc.lookup(r.blocks, (target - 1) // r.bt)
                 hit = k * r.bt
@@ -315,7 +331,7 @@ class Scheduler:
             r.state = PREFILL
             r.target = target
             r.cached = hit
-            if pc is not None:
+            if pc is not None and not r.remote:
                 self._count_lookup(r, target, hit, k)
             r.alloc = need
             running[r.rid] = r
@@ -360,7 +376,9 @@ class Scheduler:
             self._seg = seg
             return
         if n_dec == 0:
-            if self._running or self._num_waiting:
+            # Idle with prompts waiting is legal only while held KV leaves them no
+            # room: releasing it composes again (Engine.release_kv).
+            if self._running or (self._num_waiting and not self._held_blocks):
                 raise RuntimeError("engine scheduler stalled with work pending")
             self._seg = None
             return
