@@ -8,6 +8,8 @@ fleet entry and a fleet file's node (:class:`ReplicaShape`)::
     {gpu: A100-80GB, tp: 2}
     {gpu: A100-80GB, tp: 2, pp: 2, split: even}
     {stages: [{gpu: H100-SXM}, {gpu: A100-80GB}], split: speed, overlap: true}
+    {gpu: H100-SXM, role: prefill, kv_link: rdma-8x400}
+    {gpu: A100-80GB, role: decode, kv_link: {gb_per_s: 12.5, setup_ms: 2}}
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import Field
 
 from tailguard.config.parse import Block, block_for, parse
 from tailguard.core.hardware import GPU, Catalog
+from tailguard.core.kv_transfer import LINKS, Link
 from tailguard.core.pipeline import Layout, StageSpec
 from tailguard.core.policies import Slo
 from tailguard.errors import ConfigError
@@ -33,8 +36,30 @@ class StageBlock(Block):
     tp: int = Field(default=1, ge=1)
 
 
+class LinkBlock(Block):
+    """A KV path: its achieved bandwidth and the fixed cost of one transfer."""
+
+    gb_per_s: float = Field(gt=0.0)
+    setup_ms: float = Field(default=1.0, ge=0.0)
+
+    def link(self) -> Link:
+        return Link(self.gb_per_s, self.setup_ms / 1000.0)
+
+
+def kv_link(given: str | LinkBlock | None, where: str) -> Link | None:
+    """A ``kv_link`` value: a named link (:data:`~tailguard.core.kv_transfer.LINKS`),
+    a :class:`LinkBlock`, or None."""
+    if given is None or isinstance(given, LinkBlock):
+        return None if given is None else given.link()
+    link = LINKS.get(given)
+    if link is None:
+        raise ConfigError(where, f"unknown link {given!r}", sorted(LINKS))
+    return link
+
+
 class ReplicaShape(Block):
-    """The hardware keys of one replica (a scenario's fleet entry, a fleet file's node)."""
+    """The hardware keys of one replica (a scenario's fleet entry, a fleet file's node),
+    and its role in disaggregated serving with its own KV path (its NIC)."""
 
     gpu: str | None = Field(default=None, min_length=1)
     tp: int = Field(default=1, ge=1)
@@ -44,6 +69,8 @@ class ReplicaShape(Block):
     overlap: bool = False
     microbatches: int = Field(default=0, ge=0)
     link_gbps: float = Field(default=0.0, ge=0.0)  # GB/s between stages (0: the GPU's interconnect)
+    role: Literal["both", "prefill", "decode"] = "both"
+    kv_link: str | LinkBlock | None = None
 
     def layout(self, catalog: Catalog, where: str) -> Layout | None:
         """The replica's pipeline; None for a replica of one stage."""
@@ -78,4 +105,4 @@ def parse_slo(raw: Any, where: str = "slo") -> Slo:
     return slo
 
 
-__all__ = ["ReplicaShape", "SloBlock", "StageBlock", "parse_slo"]
+__all__ = ["LinkBlock", "ReplicaShape", "SloBlock", "StageBlock", "kv_link", "parse_slo"]

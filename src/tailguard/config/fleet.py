@@ -273,6 +273,13 @@ class NodeBlock(ReplicaShape):
         return faults
 
     def config(self, where: str, catalog: Catalog, warnings: list[str] | None) -> NodeConfig:
+        if self.role != "both" or self.kv_link is not None:
+            # The core and the simulator route disaggregated pools; the gateway
+            # and the emulator do not speak vLLM's P/D protocol yet.
+            key = "role" if self.role != "both" else "kv_link"
+            raise ConfigError(f"{where}.{key}", "disaggregated prefill/decode runs in the "
+                              "simulator only for now (tailguard sim); a live node's role is "
+                              "both")
         layout = self.layout(catalog, where)
         if layout is None and self.gpu is None:
             raise ConfigError(f"{where}.gpu", "is required (a GPU name such as H100, A100, L4)",

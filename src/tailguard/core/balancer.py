@@ -52,13 +52,17 @@ from tailguard.core.learner import Learner
 from tailguard.core.limit_plan import node_limiter
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.pipeline import PipelinePerf
-from tailguard.core.policies import RequestInfo, make_policy
+from tailguard.core.policies import RequestInfo, make_pair_policy, make_policy
 from tailguard.core.pool import (
+    DECODE as DECODE,
+    PREFILL as PREFILL,
     PREFIX_BLOCK_TOKENS as PREFIX_BLOCK_TOKENS,
+    WHOLE as WHOLE,
     Pool as Pool,
     PoolConfig as PoolConfig,
     Ticket as Ticket,
     decision_dict as decision_dict,
+    pair_dict as pair_dict,
 )
 from tailguard.core.predict import prefill_chunks, running_batch
 from tailguard.core.probes import HealthProbes, ProbeRule
@@ -116,7 +120,8 @@ class Balancer:
                              field=f"pools.{config.name}.policy")
         if self.recorder is not None:
             self.recorder({"op": "add_pool", "config": pool_to_dict(config)})
-        pool = Pool(config, policy)
+        pool = Pool(config, policy, make_pair_policy(config.policy, policy, config.slo,
+                                                     config.policy_options))
         self.pools[config.name] = pool
         return pool
 
@@ -269,7 +274,8 @@ class Balancer:
             self._record("pick", now, model, prompt_tokens, max_tokens, priority, exclude,
                          prefix, session,
                          node=ticket.node_id if ticket is not None else None,
-                         ticket=ticket.id if ticket is not None else None)
+                         ticket=ticket.id if ticket is not None else None,
+                         **pair_dict(ticket))
         return ticket
 
     def _record(self, op: str, now: float, model: str, prompt_tokens: int,
@@ -306,6 +312,8 @@ class Balancer:
         req = RequestInfo(model, prompt_tokens, max_tokens, pool.mean_output, pool.mean_prompt,
                           priority, self._cached(pool, hits), prefix,
                           pool.config.prefix_block_tokens, session)
+        if pool.disaggregated:
+            return self._pick_pair(pool, nodes, req, now, prefix, hits)
         node_id = None
         if self.outliers is not None and self.outliers.on_probation:
             node_id = self.outliers.canary(nodes, self.rng)  # a canary request
@@ -318,6 +326,51 @@ class Balancer:
             pool.dispatch_hook(node_id, req)
         return self._issue(self.nodes[node_id], pool, prompt_tokens, now, prefix,
                            hits.get(node_id, 0))
+
+    def _pick_pair(self, pool: Pool, nodes: Sequence[Node], req: RequestInfo, now: float,
+                   prefix: Sequence[int], hits: Mapping[str, int]) -> Ticket | None:
+        """A pool whose nodes have roles: the decode node and where the prompt is
+        computed (:class:`~tailguard.core.policies.base.PairPolicy`). A prompt computed
+        elsewhere is a second ticket, the decode ticket's ``prefill``."""
+        prefill = [n for n in nodes if n.spec.prefills]
+        decode = [n for n in nodes if n.spec.decodes]
+        if self.outliers is not None and self.outliers.on_probation:
+            canary_id = self.outliers.canary(nodes, self.rng)
+            if canary_id is not None:  # on probation: it serves its phase of this one
+                canary = self.nodes[canary_id]
+                if canary.spec.decodes:
+                    decode = [canary]
+                else:
+                    prefill = [canary]
+        assert pool.pairs is not None
+        pair = pool.pairs.choose_pair(prefill, decode, req, now, self.rng, pool.links)
+        if pair is None:
+            return None
+        prefill_id, decode_id = pair
+        if pool.dispatch_hook is not None:
+            pool.dispatch_hook(decode_id, req)
+        node = self.nodes[decode_id]
+        self._ticket_seq += 1
+        if prefill_id is None or prefill_id == decode_id:
+            return self._issue(node, pool, req.prompt_tokens, now, prefix,
+                               hits.get(decode_id, 0))
+        ticket = self._issue(node, pool, req.prompt_tokens, now, prefix, 0, DECODE)
+        self._ticket_seq += 1
+        ticket.prefill = self._issue(self.nodes[prefill_id], pool, req.prompt_tokens, now,
+                                     prefix, hits.get(prefill_id, 0), PREFILL)
+        return ticket
+
+    def hand_off(self, ticket: Ticket, now: float) -> bool:
+        """The prompt of a disaggregated request is computed: its prefill ticket ends
+        (it taught the prefill node's speed at its first token) and the decode node
+        now waits for the KV and its first token. False if nothing was pending."""
+        pre = ticket.prefill
+        if pre is None or ticket.released:
+            return False
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "hand_off", "ticket": ticket.id})
+        self.learner.hand_off(ticket, pre, now)
+        return True
 
     @staticmethod
     def _cached(pool: Pool, hits: Mapping[str, int]) -> Mapping[str, int]:
@@ -378,11 +431,18 @@ class Balancer:
         return self._issue(node, pool, prompt_tokens, now, prefix, hit)
 
     def _issue(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
-               prefix: Sequence[int] = (), hit_blocks: int = 0) -> Ticket:
-        ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq, prefix, hit_blocks)
+               prefix: Sequence[int] = (), hit_blocks: int = 0, leg: int = WHOLE) -> Ticket:
+        ticket = Ticket(node, pool, prompt_tokens, now, self._ticket_seq, prefix, hit_blocks,
+                        leg)
         if prefix:
             pool.index().insert(node.id, prefix)
         node.dispatched(ticket.backlog, prompt_tokens)
+        if leg == DECODE:
+            # Its first token waits for a prompt computed elsewhere: the node is
+            # not waiting for it until the hand-off (Learner.hand_off).
+            if node.limiter is not None:
+                ticket.permit = node.limiter.acquire()
+            return ticket
         node.note_kv(now, pool.mean_output, node.perf.kv_capacity_tokens, 1.0 + node.remote_ratio)
         chunks, step, ramp = 0, 0.0, 1.0
         if ticket.backlog > 0:

@@ -91,6 +91,7 @@ from tailguard.core.exchange_types import (
     ArmTimer,
     Cancel,
     Copy,
+    Decode,
     Dispatch,
     Fail,
     Failure,
@@ -219,8 +220,8 @@ class Exchange:
         """``copy`` left for its node: the hedge's clock starts with the first copy sent."""
         h = self.hedger
         if h is None or self.hedged or copy.hedge or copy.state != SENT \
-                or self.phase is not Phase.TRYING:
-            return NONE
+                or self.phase is not Phase.TRYING or copy.prefill_node is not None:
+            return NONE  # (a disaggregated request is not hedged)
         after = h.hedge_after(copy.ticket.node.spec.gpu_class, self._expected(copy.ticket))
         if after is None:
             return NONE
@@ -270,6 +271,28 @@ class Exchange:
             return NONE
         return self._commit(copy, now, served, True, defer_prefill)
 
+    def prefilled(self, copy: Copy, now: float) -> tuple[Action, ...]:
+        """``copy``'s prefill leg answered: its prompt is computed and its KV held
+        for the decode node, which the returned :class:`Decode` sends it to."""
+        if copy.state != SENT or self.phase is not Phase.TRYING \
+                or not self.balancer.hand_off(copy.ticket, now):
+            return NONE
+        return (Decode(copy),)
+
+    def prefill_failed(self, copy: Copy, now: float, failure: Failure, *,
+                       final: bool = False) -> tuple[Action, ...]:
+        """``copy``'s prefill leg failed: charged to the prefill node, the decode
+        node's permit given back uncharged, and a retry (to a pair without that
+        prefill node) or the failure, as :meth:`failed`."""
+        pre = copy.ticket.prefill
+        if copy.state != SENT or self.phase is Phase.ENDED or pre is None:
+            return NONE
+        b = self.balancer
+        copy.at_prefill = True
+        self._drop(copy, now, failure, pre)
+        b.on_finish(copy.ticket, now, Outcome.CLIENT_CANCELLED, 0)
+        return self._after_drop(copy, now, failure, pre.node.id, final)
+
     def failed(self, copy: Copy, now: float, failure: Failure, output_tokens: int = 0,
                cached_tokens: int | None = None, *, final: bool = False) -> tuple[Action, ...]:
         """``copy`` failed: before its first chunk, retry or fail; after it, fail.
@@ -278,6 +301,8 @@ class Exchange:
         failure only once the data plane has run out of fallbacks)."""
         if copy.state == ENDED or self.phase is Phase.ENDED:
             return NONE
+        if copy.ticket.prefill is not None:  # still in its prefill leg
+            return self.prefill_failed(copy, now, failure, final=final)
         b = self.balancer
         # Cut short by the request's deadline: the node had no time of its own to fail.
         origin = Outcome.CLIENT_CANCELLED if failure.cut else failure.origin
@@ -286,11 +311,13 @@ class Exchange:
             b.on_finish(copy.ticket, now, origin, output_tokens, judged=failure.judged,
                         timed=False, cached_tokens=cached_tokens)
             return self._fail(failure, copy.node_id, True)
-        if failure.cut:
-            copy.state = ENDED
-            b.on_finish(copy.ticket, now, origin, 0)
-        else:
-            self._drop(copy, now, failure)
+        self._drop(copy, now, failure, copy.ticket)
+        return self._after_drop(copy, now, failure, copy.node_id, final)
+
+    def _after_drop(self, copy: Copy, now: float, failure: Failure, node_id: str,
+                    final: bool) -> tuple[Action, ...]:
+        """An uncommitted copy failed on ``node_id``: the race goes on, a retry, or the end."""
+        b = self.balancer
         if self._live() is not None:
             return NONE  # the other copy races on
         r = self.request
@@ -305,7 +332,7 @@ class Exchange:
                 failure = Failure(failure.origin, 504, f"{failure.message}; too little of the "
                                   "request's time is left for another attempt",
                                   "upstream_timeout", judged=failure.judged)
-        return self._fail(failure, copy.node_id, False)
+        return self._fail(failure, node_id, False)
 
     def fallbacks(self, now: float) -> list[str]:
         """Where a retry would go now, in order, taking no permit: the nodes not
@@ -328,7 +355,7 @@ class Exchange:
         ``node_id`` ends the exchange: no node of the fleet serves it."""
         if copy.state != SENT or self.phase is not Phase.TRYING:
             return NONE
-        self._drop(copy, now, failure)
+        self._drop(copy, now, failure, copy.ticket)
         self.budget.try_spend(now)  # it happened anyway: the budget learns of it
         r = self.request
         ticket = self.balancer.take(r.model, node_id, r.prompt_tokens, now, r.prefix)
@@ -418,8 +445,10 @@ class Exchange:
     # -- inside ---------------------------------------------------------------------
 
     def _avoid(self) -> list[str]:
-        """Where a retry or the hedge must not go: the nodes tried, and those excluded."""
-        tried = [c.ticket.node.id for c in self.copies]
+        """Where a retry or the hedge must not go: the nodes tried (for a copy whose
+        prefill leg failed, its prefill node), and those excluded."""
+        tried = [c.prefill_node if c.at_prefill and c.prefill_node else c.ticket.node.id
+                 for c in self.copies]
         return [*self.request.exclude, *tried] if self.request.exclude else tried
 
     def _dispatch(self, ticket: Ticket, now: float, retry_of: Outcome | None,
@@ -452,8 +481,11 @@ class Exchange:
         """What the ticket's node is expected to take: to the first token, and then
         ``answer_tokens`` more (the roofline with the class's learned slowdowns)."""
         node = ticket.node
-        # The prediction the balancer made at dispatch (its overdue allowance).
+        # The prediction the balancer made at dispatch (its overdue allowance), after
+        # the prefill leg's where the prompt is computed elsewhere.
         ttft = ticket.allowance / OVERDUE_FACTOR
+        if ticket.prefill is not None:
+            ttft += ticket.prefill.allowance / OVERDUE_FACTOR
         if answer_tokens <= 0.0:
             return ttft
         pool = ticket.pool
@@ -483,14 +515,19 @@ class Exchange:
         bound = max(ATTEMPT_FLOOR_S, ATTEMPT_MARGIN * self._needs_s(ticket, longest))
         return bound if bound < self._time_left(now) else None
 
-    def _drop(self, copy: Copy, now: float, failure: Failure) -> None:
-        """An uncommitted copy failed: its permit back, its 5xx kept for a verdict."""
+    def _drop(self, copy: Copy, now: float, failure: Failure, ticket: Ticket) -> None:
+        """An uncommitted copy failed on ``ticket``'s node (its own, or its prefill
+        leg's): that permit back, charged unless the deadline cut it, a 5xx kept
+        for a verdict."""
         copy.state = ENDED
-        self.balancer.on_finish(copy.ticket, now, failure.origin, 0, judged=failure.judged)
+        if failure.cut:  # the node had no time of its own to fail
+            self.balancer.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)
+            return
+        self.balancer.on_finish(ticket, now, failure.origin, 0, judged=failure.judged)
         if not failure.judged:
             if self._pending_5xx is None:
                 self._pending_5xx = []
-            self._pending_5xx.append(copy.node_id)
+            self._pending_5xx.append(ticket.node.id)
         if copy.hedge:
             self.hedge_result = "failed"
 
@@ -627,6 +664,7 @@ __all__ = [
     "ArmTimer",
     "Cancel",
     "Copy",
+    "Decode",
     "Dispatch",
     "Exchange",
     "Fail",

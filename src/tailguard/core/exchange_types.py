@@ -72,13 +72,19 @@ class Copy:
     # No reference back to its exchange: the driver knows which exchange it
     # reports to, and without the cycle an ended exchange is freed at once
     # (the simulator makes hundreds of thousands).
-    __slots__ = ("hedge", "io", "state", "ticket")
+    __slots__ = ("at_prefill", "hedge", "io", "pio", "prefill_node", "state", "ticket")
 
     def __init__(self, ticket: Ticket, hedge: bool) -> None:
         self.ticket = ticket
         self.hedge = hedge
         self.state = SENT
         self.io: Any = None  # the driver's handle on it (a task, an engine request id)
+        # Disaggregated: the node that computes its prompt first (None: its own node
+        # does), the driver's handle on that leg, and whether that leg failed it.
+        self.prefill_node: str | None = (ticket.prefill.node.id if ticket.prefill is not None
+                                         else None)
+        self.pio: Any = None
+        self.at_prefill = False
 
     @property
     def node_id(self) -> str:
@@ -93,7 +99,10 @@ class Copy:
 
 
 class Dispatch(NamedTuple):
-    """Send the request to ``copy.node_id``; report its events with ``copy``."""
+    """Send the request to ``copy.node_id``; report its events with ``copy``. With
+    ``copy.prefill_node`` set, first its prefill leg there (the prompt alone, its
+    KV kept for the decode node): :meth:`Exchange.prefilled` or
+    :meth:`Exchange.prefill_failed` follows, and :class:`Decode` sends the rest."""
 
     copy: Copy
     retry_of: Outcome | None = None  # the failure this retry follows, for metrics
@@ -101,6 +110,13 @@ class Dispatch(NamedTuple):
     # taken for hung (a timeout charged to it) while the request still has time
     # for a retry. None: the request's deadline alone bounds it.
     within_s: float | None = None
+
+
+class Decode(NamedTuple):
+    """The prompt is computed on ``copy.prefill_node``: send the decode leg to
+    ``copy.node_id`` (it takes the KV from there), as :class:`Dispatch` would."""
+
+    copy: Copy
 
 
 class Queue(NamedTuple):
@@ -137,7 +153,7 @@ class Fail(NamedTuple):
     committed: bool
 
 
-Action = Dispatch | Queue | Cancel | ArmTimer | Refuse | Fail
+Action = Dispatch | Decode | Queue | Cancel | ArmTimer | Refuse | Fail
 NONE: tuple[Action, ...] = ()
 
 

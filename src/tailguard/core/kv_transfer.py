@@ -75,6 +75,15 @@ def kv_transfer_s(kv_bytes_per_token: float, tokens: int, link: Link) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class PairLink:
+    """The link between two named nodes, over their own."""
+
+    a: str
+    b: str
+    link: Link
+
+
+@dataclass(frozen=True, slots=True)
 class LinkMap:
     """The link of every pair of nodes: ``pairs`` (unordered) first, else the
     slower of the two nodes' links (``nodes``, or ``default`` for a node without
@@ -83,6 +92,13 @@ class LinkMap:
     default: Link = DEFAULT_LINK
     nodes: Mapping[str, Link] = field(default_factory=dict)
     pairs: Mapping[frozenset[str], Link] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, default: Link, nodes: Mapping[str, Link | None],
+           pairs: tuple[PairLink, ...] = ()) -> LinkMap:
+        """The map of a pool: its default, its nodes' own links, its pairs'."""
+        return cls(default, {k: v for k, v in nodes.items() if v is not None},
+                   {frozenset((p.a, p.b)): p.link for p in pairs})
 
     def between(self, a: str, b: str) -> Link | None:
         """The link from ``a`` to ``b``; None when they are one node."""

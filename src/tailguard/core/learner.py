@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from tailguard.core.fleet import Node, Outcome
+from tailguard.core.fleet import OVERDUE_FACTOR, Node, Outcome
 from tailguard.core.outliers import OutlierDetector
-from tailguard.core.pool import Ticket
+from tailguard.core.pool import DECODE, PREFILL, Ticket
 from tailguard.core.predict import (
     decode_step_s,
     interleaved_tpot,
@@ -90,6 +90,8 @@ class Learner:
         a prefill faster, so the slow side of the evidence stays trustworthy).
         """
         ticket.pending_prefill = False
+        if ticket.leg == DECODE:  # its prompt was computed elsewhere: that leg taught it
+            return
         node = ticket.node
         ttft = ticket.t_first - ticket.t_dispatch
         # The same prediction the router made, without the node's learned
@@ -123,6 +125,11 @@ class Learner:
             return
         ticket.released = True
         node = ticket.node
+        pre = ticket.prefill
+        if pre is not None:  # ended before its prompt was handed over: so does that leg
+            ticket.prefill = None
+            if not pre.released:
+                self.finish(pre, now, Outcome.CLIENT_CANCELLED, 0)
         if ticket.pending_prefill:
             self.learn_prefill(ticket, cached_tokens)
         prefilling = ticket.t_first < 0.0 and not ticket.presumed
@@ -147,6 +154,8 @@ class Learner:
         pool = ticket.pool
         if ticket.blocks and cached_tokens is not None and pool.prefix is not None:
             pool.prefix.observe(node.id, ticket.blocks, ticket.hit_blocks, cached_tokens)
+        if ticket.leg == PREFILL:  # a prompt for another node: no answer of its own
+            return
         pool.mean_output += (output_tokens - pool.mean_output) * 0.01
         if not timed:
             return
@@ -177,6 +186,27 @@ class Learner:
                     ticket, ticket.seg_batch, ticket.seg_t, ticket.seg_work, ticket.seg_areas, now)
                 self.outliers.on_decode(node, (now - ticket.seg_t) / rest, expected_step,
                                         batch, now, ticket.seg_t, share)
+
+    def hand_off(self, ticket: Ticket, pre: Ticket, now: float) -> None:
+        """``pre``, the prefill leg of the decode ticket ``ticket``, has computed the
+        prompt (its answer is its first token); the decode node now waits for the
+        KV and then for its own first token, due within its allowance of the
+        transfer and one step (:meth:`Ticket.expected_ttft`)."""
+        ticket.prefill = None
+        if pre.t_first < 0.0:
+            self.first_token(pre, now)
+        self.finish(pre, now, Outcome.OK, 1)
+        node = ticket.node
+        pool = ticket.pool
+        ticket.t_dispatch = now
+        ticket.batch_at_dispatch = node.fleet_in_flight
+        ticket.kv_s = pool.links.transfer_s(pre.node.id, node.id,
+                                            node.perf.model.kv_bytes_per_token,
+                                            ticket.prompt_tokens)
+        ticket.allowance = ticket.expected_ttft() * node.class_prefill_slowdown * OVERDUE_FACTOR
+        if ticket.batch_at_dispatch <= node.slots:
+            ticket.due = now + ticket.allowance
+        node.awaits(ticket)
 
     def decode_expected(self, ticket: Ticket, batch_then: int, since: float,
                         work_then: float, areas_then: tuple[float, float] | None,

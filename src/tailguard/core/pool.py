@@ -11,8 +11,10 @@ from typing import Any
 from tailguard.core.admission import AdmissionConfig, AdmissionQueue, Shed, Waiter
 from tailguard.core.fleet import Node
 from tailguard.core.hedging import HedgeConfig, Hedger
+from tailguard.core.kv_transfer import DEFAULT_LINK, Link, LinkMap, PairLink
 from tailguard.core.limits import LimitConfig, Permit
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo
+from tailguard.core.policies.base import PairPolicy
 from tailguard.core.predict import decode_step_s, prefill_s, running_batch
 from tailguard.core.prefix import PrefixIndex
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
@@ -21,6 +23,8 @@ from tailguard.core.retry_budget import RetryBudget, RetryConfig
 # a simulated workload brings its own (Mooncake's traces: 512).
 PREFIX_BLOCK_TOKENS = 128
 NO_AREAS = (0.0, 0.0)
+# A ticket's leg (Ticket.leg): the whole request on one node, or one of its two.
+WHOLE, PREFILL, DECODE = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,10 @@ class PoolConfig:
     prefix_block_tokens: int = PREFIX_BLOCK_TOKENS  # what one hash of a request's prefix covers
     retries: RetryConfig = field(default_factory=RetryConfig)  # failover before the first byte
     hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
+    # Disaggregated serving: the KV path between two of its nodes unless a pair
+    # (kv_pairs) or a node (NodeSpec.kv_link) has its own.
+    kv_link: Link = DEFAULT_LINK
+    kv_pairs: tuple[PairLink, ...] = ()
 
 
 class Ticket:
@@ -54,10 +62,13 @@ class Ticket:
         "due",
         "hit_blocks",
         "id",
+        "kv_s",
+        "leg",
         "node",
         "pending_prefill",
         "permit",
         "pool",
+        "prefill",
         "presumed",
         "prompt_tokens",
         "released",
@@ -73,16 +84,22 @@ class Ticket:
     )
 
     def __init__(self, node: Node, pool: Pool, prompt_tokens: int, now: float,
-                 ticket_id: int = 0, blocks: Sequence[int] = (), hit_blocks: int = 0) -> None:
+                 ticket_id: int = 0, blocks: Sequence[int] = (), hit_blocks: int = 0,
+                 leg: int = 0) -> None:
         self.id = ticket_id  # the balancer's sequence number: names it in recordings
         self.node = node
         self.pool = pool
         self.prompt_tokens = prompt_tokens
         self.blocks = blocks  # the prompt's hashed blocks
         self.hit_blocks = hit_blocks  # how many the router expected the node to hold
+        # WHOLE, or one leg of a disaggregated request: its PREFILL on one node, its
+        # DECODE on another, with ``prefill`` the other leg's ticket until it is done.
+        self.leg = leg
+        self.prefill: Ticket | None = None
+        self.kv_s = 0.0  # a decode leg's expected KV transfer (set at its hand-off)
         # The prompt work it adds to the node's backlog: what the node is expected to compute.
         hit = min(hit_blocks * pool.config.prefix_block_tokens, max(0, prompt_tokens - 1))
-        self.backlog = prompt_tokens - hit
+        self.backlog = 0 if leg == DECODE else prompt_tokens - hit
         self.t_dispatch = now
         self.t_first = -1.0
         self.due = math.inf  # its first token is overdue after (set at dispatch: Node.overdue_s)
@@ -117,6 +134,8 @@ class Ticket:
         perf = self.node.perf
         pool = self.pool
         step = decode_step_s(perf, self.running(), pool.mean_prompt + pool.mean_output / 2)
+        if self.leg == DECODE:  # the prompt's KV arrives, then one step computes its last token
+            return self.kv_s + step
         return prefill_s(perf, self.ahead_tokens, self.uncached(cached_tokens)) + step
 
     def running(self) -> int:
@@ -133,15 +152,20 @@ class Ticket:
 class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
-    __slots__ = ("_eligible", "budget", "config", "dispatch_hook", "hedger", "limited",
-                 "mean_output", "mean_prompt", "name", "nodes", "policy", "prefix", "queue")
+    __slots__ = ("_eligible", "budget", "config", "disaggregated", "dispatch_hook", "hedger",
+                 "limited", "links", "mean_output", "mean_prompt", "name", "nodes", "pairs",
+                 "policy", "prefix", "queue")
 
-    def __init__(self, config: PoolConfig, policy: Policy) -> None:
+    def __init__(self, config: PoolConfig, policy: Policy,
+                 pairs: PairPolicy | None = None) -> None:
         self.config = config
         self.name = config.name
         self.policy = policy
+        self.pairs = pairs  # how it routes when some nodes only prefill or only decode
         self.nodes: list[Node] = []
         self._eligible: list[Node] | None = None
+        self.disaggregated = False
+        self.links = LinkMap.of(config.kv_link, {}, config.kv_pairs)
         # Running means of prompt and answer lengths (answers are only known at
         # the end, so the policy uses the pool's mean as the expected length).
         self.mean_prompt = 1000.0
@@ -172,14 +196,26 @@ class Pool:
 
     def invalidate(self) -> None:
         self._eligible = None
+        self.disaggregated = any(n.spec.role != "both" for n in self.nodes)
+        if self.disaggregated:
+            self.links = LinkMap.of(self.config.kv_link,
+                                    {n.id: n.spec.kv_link for n in self.nodes},
+                                    self.config.kv_pairs)
 
 
 def decision_dict(got: Ticket | Waiter | Shed | None) -> dict[str, Any]:
     """An admission decision as a recording holds it."""
     if isinstance(got, Ticket):
-        return {"ticket": got.id, "node": got.node_id}
+        return {"ticket": got.id, "node": got.node_id, **pair_dict(got)}
     if isinstance(got, Waiter):
         return {"queued": got.wid}
     if isinstance(got, Shed):
         return {"shed": got.reason}
     return {"none": True}
+
+
+def pair_dict(got: Ticket | None) -> dict[str, Any]:
+    """A disaggregated request's prefill leg as a recording holds it (none: empty)."""
+    if got is None or got.prefill is None:
+        return {}
+    return {"prefill": {"ticket": got.prefill.id, "node": got.prefill.node_id}}

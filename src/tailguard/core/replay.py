@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailguard.core.admission import Waiter
-from tailguard.core.balancer import Balancer, PoolConfig, Ticket, decision_dict
+from tailguard.core.balancer import Balancer, PoolConfig, Ticket, decision_dict, pair_dict
 from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
 from tailguard.core.outliers import OutlierConfig
@@ -70,7 +70,7 @@ class _Replayer:
             "take": self._take, "admit": self._admit, "poll_queue": self._poll_queue,
             "cancel_queued": self._cancel_queued, "first_token": self._first_token,
             "progress": self._progress, "no_first_token": self._no_first_token,
-            "finish": self._finish, "blame": self._blame,
+            "finish": self._finish, "blame": self._blame, "hand_off": self._hand_off,
             "engine_metrics": self._engine_metrics, "tick": self._tick, "peers": self._peers,
         }
 
@@ -146,9 +146,21 @@ class _Replayer:
 
     def _pick(self, i: int, rec: Record) -> None:
         ticket = self.b.pick(*_args(rec), tuple(rec.get("prefix", ())), rec.get("session"))
-        self._differs(i, rec, rec["node"], ticket.node_id if ticket is not None else None)
+        recorded: Any = rec["node"]
+        replayed: Any = ticket.node_id if ticket is not None else None
+        pair = pair_dict(ticket).get("prefill")
+        if pair is not None or rec.get("prefill") is not None:  # a disaggregated request
+            recorded, replayed = [recorded, rec.get("prefill")], [replayed, pair]
+        self._differs(i, rec, recorded, replayed)
         if ticket is not None and rec.get("ticket") is not None:
-            self.tickets[rec["ticket"]] = ticket
+            self._hold(ticket, rec)
+
+    def _hold(self, ticket: Ticket, recorded: Record) -> None:
+        """Keep a replayed ticket (and its prefill leg's) under the recording's numbers."""
+        self.tickets[recorded["ticket"]] = ticket
+        pre = recorded.get("prefill")
+        if ticket.prefill is not None and isinstance(pre, dict):
+            self.tickets[pre["ticket"]] = ticket.prefill
 
     def _rank(self, i: int, rec: Record) -> None:
         ranked = self.b.rank(*_args(rec), rec.get("n", 1), tuple(rec.get("prefix", ())),
@@ -167,7 +179,7 @@ class _Replayer:
         result = rec["result"]
         self._differs(i, rec, result, decision_dict(admitted))
         if isinstance(admitted, Ticket) and "ticket" in result:
-            self.tickets[result["ticket"]] = admitted
+            self._hold(admitted, result)
         elif isinstance(admitted, Waiter) and "queued" in result:
             self.waiters[result["queued"]] = admitted
 
@@ -178,7 +190,7 @@ class _Replayer:
         for (w, d), recorded in zip(decisions, rec["decisions"], strict=False):
             self.waiters.pop(w.wid, None)
             if isinstance(d, Ticket) and "ticket" in recorded:
-                self.tickets[recorded["ticket"]] = d
+                self._hold(d, recorded)
 
     def _cancel_queued(self, i: int, rec: Record) -> None:
         waiter = self.waiters.pop(rec["waiter"], None)
@@ -208,6 +220,11 @@ class _Replayer:
             self.b.on_finish(t, rec["t"], Outcome(rec["outcome"]), rec["output_tokens"],
                              judged=rec.get("judged", True), timed=rec.get("timed", True),
                              cached_tokens=rec.get("cached_tokens"))
+
+    def _hand_off(self, i: int, rec: Record) -> None:
+        t = self.tickets.get(rec["ticket"])
+        if t is not None:
+            self.b.hand_off(t, rec["t"])
 
     def _blame(self, i: int, rec: Record) -> None:
         self.b.blame(rec["node"], Outcome(rec["outcome"]), rec["t"])

@@ -43,6 +43,7 @@ from tailguard.core.exchange import (
     ArmTimer,
     Cancel,
     Copy,
+    Decode,
     Dispatch,
     Exchange,
     Failure,
@@ -51,6 +52,7 @@ from tailguard.core.exchange import (
 )
 from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hedging import HedgeConfig
+from tailguard.core.kv_transfer import DEFAULT_LINK, Link
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import PipelinePerf
@@ -71,6 +73,7 @@ FAULT = 6  # a: fault index, b: 1 when the fault ends
 TICK = 7
 TIMER = 8  # a: request id (an exchange's timer)
 HEALTH = 9  # a round of health probes
+HANDOFF = 10  # a: copy id: its prompt's KV has reached its decode node
 
 # Request status codes in the result arrays.
 OK, FAILED_STATUS, UNFINISHED, SHED = 0, 1, 2, 3
@@ -108,13 +111,18 @@ class RunRecord:
     # With shared prefixes: prompt tokens each request's answering copy found in
     # its engine's prefix cache.
     cached: list[int] = field(default_factory=list)
+    # Disaggregated fleets: the node that computed each request's prompt for its
+    # decode node (-1: the decode node itself), and its KV transfer's seconds.
+    prefill_node: list[int] = field(default_factory=list)
+    kv_s: list[float] = field(default_factory=list)
 
 
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
     return [
         NodeSpec(id=p.id, gpu=p.perf.gpu, gpu_name=p.perf.gpu.name, tp=p.perf.tp, models=(model,),
                  max_num_seqs=p.engine.max_num_seqs,
-                 layout=p.perf.layout if isinstance(p.perf, PipelinePerf) else None)
+                 layout=p.perf.layout if isinstance(p.perf, PipelinePerf) else None,
+                 role=p.role, kv_link=p.kv_link)
         for p in plans
     ]
 
@@ -147,6 +155,7 @@ def run_cluster(
     blocks: Sequence[tuple[int, ...]] | None = None,
     block_tokens: int = 0,
     sessions: Sequence[int] | None = None,
+    kv_link: Link = DEFAULT_LINK,
 ) -> RunRecord:
     """Simulate one policy on one fleet for one request list; return per-request outcomes.
 
@@ -155,7 +164,7 @@ def run_cluster(
     ``sessions``: each request's session (its key for session affinity)."""
     pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
                       admission=admission, retries=retries or RetryConfig(),
-                      hedging=hedging or HedgeConfig())
+                      hedging=hedging or HedgeConfig(), kv_link=kv_link)
     if blocks is not None:
         pool = dataclasses.replace(pool, prefix_block_tokens=block_tokens)
     balancer = Balancer(node_specs(plans, model), [pool],
@@ -207,6 +216,10 @@ class ClusterSim:
             self.rec.priority = self.prio
         if blocks is not None:
             self.rec.cached = [0] * n
+        self.pool = balancer.pools[model]
+        if any(p.role != "both" for p in plans):
+            self.rec.prefill_node = [-1] * n
+            self.rec.kv_s = [0.0] * n
         self.exchanges: list[Exchange | None] = [None] * n
         # By copy id, which is its engine request id; None once its exchange ended
         # (its later events are stale), so that ended exchanges are not kept alive.
@@ -267,7 +280,9 @@ class ClusterSim:
                 ex = self.copy_ex[a]
                 if copy is None or ex is None:
                     continue
-                if kind == FIRST:
+                if copy.pio == a:  # its prefill leg, on another node
+                    self._prefill_event(ex, copy, kind, b, now)
+                elif kind == FIRST:
                     self._first(ex, copy, now)
                 elif kind == FINISH:
                     self._finish(ex, copy, now)
@@ -279,6 +294,8 @@ class ClusterSim:
                     self._do(timed, timed.timer(now), now)
             elif kind == FAULT:
                 self._fault(a, b == 1, now)
+            elif kind == HANDOFF:
+                self._hand_off(a, now)
             elif kind == HEALTH:
                 health_check(nodes, self.balancer, now)
                 if self.outstanding > 0:
@@ -306,10 +323,62 @@ class ClusterSim:
             return
         rid = owner.tag
         rec = self.rec
-        if self.blocks is None:
+        copy = self.copies[cid]
+        if copy is not None and copy.pio == cid:  # a prefill leg: one token, its KV held
+            blocks = self.blocks[rid] if self.blocks is not None else ()
+            ns.engine.submit(cid, rec.prompt[rid], 1, now, blocks, self.bt, hold_kv=True)
+        elif self.blocks is None:
             ns.engine.submit(cid, rec.prompt[rid], rec.output[rid], now)
         else:
             ns.engine.submit(cid, rec.prompt[rid], rec.output[rid], now, self.blocks[rid], self.bt)
+        self._reschedule(ns)
+
+    def _prefill_event(self, ex: Exchange, copy: Copy, kind: int, b: int, now: float) -> None:
+        """What a prefill leg's engine said: done (its one token), or failed."""
+        if kind == FINISH:
+            self._do(ex, ex.prefilled(copy, now), now)
+        elif kind == FAIL:
+            self._do(ex, ex.prefill_failed(copy, now, _CONNECT if b == 0 else _5XX), now)
+            if ex.ended is not None:
+                self._settle(ex, now)
+            if self.limited:
+                self._place_queued(now)
+
+    def _decode(self, ex: Exchange, copy: Copy, now: float) -> None:
+        """The decode leg leaves the gateway: its node pulls the prompt's KV from the
+        prefill node over their link, then admits it (HANDOFF)."""
+        p = self.by_id[copy.prefill_node]  # type: ignore[index]  # a Decode has one
+        d = self.copy_node[copy.io]
+        rid = ex.tag
+        kv = self.pool.links.transfer_s(self.nodes[p].plan.id, self.nodes[d].plan.id,
+                                        self.nodes[d].plan.perf.model.kv_bytes_per_token,
+                                        self.rec.prompt[rid])
+        if self.rec.kv_s:
+            self.rec.prefill_node[rid] = p
+            self.rec.kv_s[rid] = kv
+        ns = self.nodes[d]
+        self.push(now + self.half_rtt + ns.delay + kv, HANDOFF, copy.io)
+
+    def _hand_off(self, cid: int, now: float) -> None:
+        """The KV arrived: the prefill node frees it, the decode node admits the request."""
+        copy = self.copies[cid]
+        owner = self.copy_ex[cid]
+        if copy is None or owner is None:
+            return
+        pn = self.nodes[self.copy_node[copy.pio]]
+        # A prefill node that crashed meanwhile lost the KV: the decode node
+        # computes the prompt itself (vLLM's recompute on a failed KV load).
+        remote = pn.engine.release_kv(copy.pio, now)
+        if remote:
+            self._reschedule(pn)
+        ns = self.nodes[self.copy_node[cid]]
+        if ns.crashed:
+            self.push(now + self.half_rtt + ns.delay, FAIL, cid, 0)
+            return
+        rid = owner.tag
+        blocks = self.blocks[rid] if self.blocks is not None else ()
+        ns.engine.submit(cid, self.rec.prompt[rid], self.rec.output[rid], now, blocks, self.bt,
+                         remote_kv=remote)
         self._reschedule(ns)
 
     def _tick(self, now: float, tick_s: float) -> None:
@@ -447,7 +516,10 @@ class ClusterSim:
         copy = self.copies[cid]
         ex = self.copy_ex[cid]
         if copy is not None and ex is not None:
-            self._failed(ex, copy, t, _CONNECT)
+            if copy.pio == cid:
+                self._prefill_event(ex, copy, FAIL, 0, t)
+            else:
+                self._failed(ex, copy, t, _CONNECT)
 
     def _deliver(self, t_ev: float, ev_kind: int, cid: int) -> None:
         """An engine event for the gateway, after the network delay back."""
@@ -464,10 +536,14 @@ class ClusterSim:
                 self._send(ex, a, now)
             elif kind is Cancel:
                 assert isinstance(a, Cancel)
-                cid = a.copy.io
-                ns = self.nodes[self.copy_node[cid]]
-                if ns.engine.cancel(cid, now):
-                    self._reschedule(ns)
+                for cid in (a.copy.io, a.copy.pio):
+                    if cid is not None:
+                        ns = self.nodes[self.copy_node[cid]]
+                        if ns.engine.cancel(cid, now):
+                            self._reschedule(ns)
+            elif kind is Decode:
+                assert isinstance(a, Decode)
+                self._decode(ex, a.copy, now)
             elif kind is ArmTimer:
                 assert isinstance(a, ArmTimer)
                 self.push(a.at, TIMER, ex.tag)
@@ -486,6 +562,9 @@ class ClusterSim:
                 for c in ex.copies:
                     self.copies[c.io] = None
                     self.copy_ex[c.io] = None
+                    if c.pio is not None:
+                        self.copies[c.pio] = None
+                        self.copy_ex[c.pio] = None
 
     def _send(self, ex: Exchange, a: Dispatch, now: float) -> None:
         copy = a.copy
@@ -499,6 +578,12 @@ class ClusterSim:
             self.rec.node[ex.tag] = ni
         if a.retry_of is not None:
             self.rec.retries += 1
+        if copy.prefill_node is not None:  # its prompt first, on the prefill node
+            cid = copy.pio = len(self.copies)
+            ni = self.by_id[copy.prefill_node]
+            self.copies.append(copy)
+            self.copy_ex.append(ex)
+            self.copy_node.append(ni)
         ns = self.nodes[ni]
         if ns.crashed:
             self.push(now + 2.0 * (self.half_rtt + ns.delay), FAIL, cid, 0)

@@ -92,7 +92,7 @@ def run_policy(
         outliers=scn.outliers, hedging=scn.hedging, limits=planned_limits(scn, reqs), admission=scn.admission,
         priorities=draw_priorities(wl.priorities, len(reqs), scn.seed),
         gpu_telemetry=scn.gpu_telemetry, blocks=reqs.blocks, block_tokens=reqs.block_tokens,
-        sessions=reqs.session,
+        sessions=reqs.session, kv_link=scn.kv_link,
     )
     if records is not None:  # the per-request arrays, for reports (sim/report.py)
         records[choice.label] = rec

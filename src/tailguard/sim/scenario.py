@@ -35,7 +35,7 @@ from pydantic import Field, field_validator
 
 from tailguard.config import Block, block_for, parse
 from tailguard.config.catalog import CatalogBlock, extend_catalog
-from tailguard.config.core_options import ReplicaShape, SloBlock
+from tailguard.config.core_options import LinkBlock, ReplicaShape, SloBlock, kv_link
 from tailguard.config.faults import FaultBlock, FaultSpec
 from tailguard.config.files import read_yaml
 from tailguard.config.options import AdmissionBlock, HedgingBlock, LimitsBlock, OutliersBlock
@@ -43,6 +43,7 @@ from tailguard.config.parse import retype
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
+from tailguard.core.kv_transfer import DEFAULT_LINK, Link
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, PipelinePerf
@@ -60,6 +61,8 @@ class FleetGroup:
     engine: EngineConfig
     speed_spread: float = 0.0
     layout: Layout | None = None  # a pipeline-parallel replica's stages
+    role: str = "both"  # disaggregated serving (NodeSpec.role)
+    kv_link: Link | None = None  # its own KV path, over the scenario's
 
     @property
     def gpus(self) -> int:
@@ -82,6 +85,8 @@ class NodePlan:
     perf: PerfModel
     engine: EngineConfig
     speed: float = 1.0
+    role: str = "both"
+    kv_link: Link | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,7 @@ class Scenario:
     # The nodes export DCGM-like GPU readings: a slow node's events name the
     # throttled GPU (or say its GPUs are healthy), as the gateway's do.
     gpu_telemetry: bool = False
+    kv_link: Link = DEFAULT_LINK  # between two nodes with none of their own
 
     def nodes(self) -> list[NodePlan]:
         """The fleet expanded to nodes with ids ``GPU#i``; speeds drawn from the seed."""
@@ -133,7 +139,8 @@ class Scenario:
                 speed = 1.0
                 if g.speed_spread > 0:
                     speed = 1.0 + rng.uniform(-g.speed_spread, g.speed_spread)
-                out.append(NodePlan(f"{g.gpu}#{i}", gi, perf, g.engine, speed))
+                out.append(NodePlan(f"{g.gpu}#{i}", gi, perf, g.engine, speed, g.role,
+                                    g.kv_link))
         return out
 
 
@@ -157,7 +164,8 @@ class FleetEntry(ReplicaShape):
             engine = self.engine.core()
         except ConfigError as exc:
             raise ConfigError(f"{where}.engine.{exc.field}", exc.message) from None
-        group = FleetGroup(name, self.count, tp, engine, self.speed_spread, layout)
+        group = FleetGroup(name, self.count, tp, engine, self.speed_spread, layout, self.role,
+                           kv_link(self.kv_link, f"{where}.kv_link"))
         try:
             perf = group.perf(catalog, model)
         except ConfigError as exc:
@@ -220,6 +228,7 @@ class ScenarioFile(Block):
     limits: Block | None = None
     admission: Block | None = None
     hedging: Block = Field(default_factory=HedgingBlock)
+    kv_link: str | LinkBlock | None = None  # disaggregated serving's default KV path
 
     @field_validator("faults")
     @classmethod
@@ -273,7 +282,8 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
                         doc.outliers.core(),
                         limits=doc.limits.core() if doc.limits is not None else None,
                         admission=doc.admission.core() if doc.admission is not None else None,
-                        hedging=doc.hedging.core(), gpu_telemetry=doc.gpu_telemetry)
+                        hedging=doc.hedging.core(), gpu_telemetry=doc.gpu_telemetry,
+                        kv_link=kv_link(doc.kv_link, "kv_link") or DEFAULT_LINK)
     return replace(scenario, faults=_faults(doc, scenario.nodes()))
 
 

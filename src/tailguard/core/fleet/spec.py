@@ -8,7 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tailguard.core.hardware import GPU
+from tailguard.core.kv_transfer import Link
 from tailguard.core.pipeline import Layout
+
+ROLES = ("both", "prefill", "decode")
 
 
 class Outcome(enum.Enum):
@@ -61,6 +64,25 @@ class NodeSpec:
     # A pipeline-parallel replica's stages (core/pipeline.py); None: one stage,
     # ``tp`` GPUs of ``gpu``.
     layout: Layout | None = None
+    # Disaggregated serving: ``prefill`` computes prompts for other nodes to
+    # decode, ``decode`` decodes prompts computed elsewhere (and may compute one
+    # itself, as a fallback or where that finishes sooner), ``both`` does both.
+    role: str = "both"
+    kv_link: Link | None = None  # its own KV path (its NIC), over the pool's default
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+    @property
+    def prefills(self) -> bool:
+        """Computes prompts for other nodes' decodes (role prefill or both)."""
+        return self.role != "decode"
+
+    @property
+    def decodes(self) -> bool:
+        """Streams answers (role decode or both)."""
+        return self.role != "prefill"
 
     @property
     def gpu_class(self) -> str:

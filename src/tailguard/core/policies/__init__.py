@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tailguard.core.policies.base import Policy, RequestInfo, Slo
+from tailguard.core.policies.base import PairPolicy, Policy, RequestInfo, Slo
 from tailguard.core.policies.cache_aware import CacheAware
 from tailguard.core.policies.consistent_hash import ConsistentHash
 from tailguard.core.policies.least_request import LeastRequest
 from tailguard.core.policies.p2c import PowerOfTwo
+from tailguard.core.policies.pairs import DynamoConditional, PerPhase
 from tailguard.core.policies.peak_ewma import PeakEwmaP2C
 from tailguard.core.policies.random_choice import RandomChoice
 from tailguard.core.policies.round_robin import RoundRobin
@@ -29,6 +30,7 @@ REGISTRY: dict[str, type[Any]] = {
         TailguardPolicy,
         CacheAware,
         ConsistentHash,
+        DynamoConditional,
     )
 }
 
@@ -52,4 +54,14 @@ def make_policy(
     return policy
 
 
-__all__ = ["DEFAULT_POLICY", "REGISTRY", "Policy", "RequestInfo", "Slo", "make_policy", "policy_names"]
+def make_pair_policy(name: str, policy: Policy, slo: Slo | None = None,
+                     options: Mapping[str, Any] | None = None) -> PairPolicy:
+    """How ``policy`` routes a pool whose nodes have roles: its own pair choice, or
+    phase by phase (:class:`PerPhase`) with a second instance for the prefill side."""
+    if hasattr(policy, "choose_pair"):
+        return policy  # type: ignore[return-value]  # it has the protocol's method
+    return PerPhase(make_policy(name, slo, options), policy)
+
+
+__all__ = ["DEFAULT_POLICY", "REGISTRY", "PairPolicy", "Policy", "RequestInfo", "Slo",
+           "make_pair_policy", "make_policy", "policy_names"]

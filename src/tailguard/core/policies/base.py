@@ -15,6 +15,7 @@ from random import Random
 from typing import Any, Protocol
 
 from tailguard.core.fleet import NodeView
+from tailguard.core.kv_transfer import LinkMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +67,18 @@ class DispatchAware(Protocol):
 
 class PolicyFactory(Protocol):
     def __call__(self, slo: Slo, options: Mapping[str, Any]) -> Policy: ...
+
+
+class PairPolicy(Protocol):
+    """Routing where some nodes only prefill or only decode (disaggregated serving):
+    the decode node, and the node that computes the prompt for it (None: the
+    decode node itself), or None when it declines every decode node.
+
+    ``prefill`` are the routable nodes that may compute prompts for others,
+    ``decode`` those that may stream answers; ``links`` is the KV path of
+    every pair (:class:`~tailguard.core.kv_transfer.LinkMap`)."""
+
+    def choose_pair(
+        self, prefill: Sequence[NodeView], decode: Sequence[NodeView], req: RequestInfo,
+        now: float, rng: Random, links: LinkMap,
+    ) -> tuple[str | None, str] | None: ...

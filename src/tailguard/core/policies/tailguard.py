@@ -81,6 +81,7 @@ from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.hardware import PerfModel
+from tailguard.core.kv_transfer import LinkMap
 from tailguard.core.policies.base import RequestInfo, Slo
 from tailguard.core.predict import (
     decode_step_s,
@@ -100,6 +101,8 @@ _VIOLATION_COST_S = 1e4
 _SPREAD_Z = 1.0
 # Prompt duty above which the saturated step may cap the predicted TPOT.
 _CAP_DUTY = 0.3
+# Prefill nodes, ranked alone, that choose_pair tries with every decode node.
+_PAIR_PREFILLS = 3
 
 
 class TailguardPolicy:
@@ -121,6 +124,18 @@ class TailguardPolicy:
         if self.queue_weight < 0.0:
             raise ValueError("queue_weight must be >= 0")
 
+    def _terms(self, req: RequestInfo) -> tuple[float, float, float, float]:
+        """The request's expected answer, the context a step attends to at its
+        midpoint, its KV footprint, and the weight of a second of TTFT."""
+        out = req.expected_output
+        if req.max_tokens is not None and req.max_tokens < out:
+            out = float(req.max_tokens)
+        out = max(out, 1.0)
+        weight = self.ttft_weight
+        if weight is None:
+            weight = out * self.slo.tpot_s / self.slo.ttft_s
+        return out, req.mean_prompt + out * 0.5, req.mean_prompt + out, weight
+
     def choose(
         self, nodes: Sequence[NodeView], req: RequestInfo, now: float, rng: Random
     ) -> str | None:
@@ -136,18 +151,10 @@ class TailguardPolicy:
         if self.sample and len(nodes) > self.sample:
             cands = rng.sample(list(nodes), self.sample)
         prompt = req.prompt_tokens
-        out = req.expected_output
-        if req.max_tokens is not None and req.max_tokens < out:
-            out = float(req.max_tokens)
-        out = max(out, 1.0)
-        ctx = req.mean_prompt + out * 0.5
-        footprint = req.mean_prompt + out
+        out, ctx, footprint, ttft_weight = self._terms(req)
         # id(perf) -> this request's quote for that engine shape (nodes of one GPU type
         # share their prior: Balancer._prior)
         shapes: dict[int, _Quote] = {}
-        ttft_weight = self.ttft_weight
-        if ttft_weight is None:
-            ttft_weight = out * self.slo.tpot_s / self.slo.ttft_s
         ttft_limit = self.slo.ttft_s * self.headroom
         tpot_limit = self.slo.tpot_s * self.headroom
         queue_weight = self.queue_weight
@@ -231,6 +238,115 @@ class TailguardPolicy:
             if cost < best:
                 best, best_id = cost, n.id
         return best_id
+
+
+    def choose_pair(self, prefill: Sequence[NodeView], decode: Sequence[NodeView],
+                    req: RequestInfo, now: float, rng: Random,
+                    links: LinkMap) -> tuple[str | None, str] | None:
+        """A disaggregated pool: the decode node and where its prompt is computed,
+        by the same predicted cost as :meth:`choose`, jointly.
+
+        Computed on its decode node, a prompt costs what it costs there in
+        :meth:`choose`, plus what its chunks take from that node's running
+        decodes (each of them waits out the prompt's compute: ``decoding x
+        prefill`` seconds, the externality that disaggregation removes, weighed
+        as the queueing term is). Computed on a prefill node ``p``, the first
+        token comes after ``p``'s backlog and its prefill, the KV transfer over
+        the pair's link (:mod:`~tailguard.core.kv_transfer`) and a step of the
+        decode node's own (the engine computes the prompt's last token again);
+        the answer then streams at the decode node's TPOT, untouched by this
+        prompt. Short or cached prompts stay local where that finishes sooner
+        (conditional disaggregation falls out of the cost). The prefill nodes
+        are ranked alone first and the best ``_PAIR_PREFILLS`` are tried with
+        every decode node, so a choice costs ``O(prefill + decode)``.
+        """
+        if not decode:
+            return None
+        prompt = req.prompt_tokens
+        out, ctx, footprint, ttft_weight = self._terms(req)
+        shapes: dict[int, _Quote] = {}
+        ttft_limit = self.slo.ttft_s * self.headroom
+        tpot_limit = self.slo.tpot_s * self.headroom
+        qw = self.queue_weight
+        cached = req.cached
+
+        def quote(n: NodeView) -> _Quote:
+            q = shapes.get(id(n.perf))
+            if q is None or q.slots != n.slots:
+                q = shapes[id(n.perf)] = _Quote(n.perf, n.slots, prompt, ctx, footprint)
+            return q
+
+        def prompt_time(n: NodeView, q: _Quote) -> tuple[float, float]:
+            """The prompt's wait for the node's backlog, and its own compute there."""
+            hit = min(cached.get(n.id, 0), prompt - 1) if cached else 0
+            own = q.prefill if hit <= 0 else prefill_s(n.perf, 0, prompt - hit)
+            pslow = n.class_prefill_slowdown
+            backlog = n.prefill_backlog if n.remote_ratio == 0.0 else n.fleet_backlog
+            wait = backlog * q.token_s * pslow
+            if now > n.overdue_at:
+                wait += n.overdue_s(now)
+            return wait, own * pslow
+
+        ranked: list[tuple[float, float, float, NodeView]] = []
+        for p in prefill:
+            wait, own = prompt_time(p, quote(p))
+            ranked.append(((ttft_weight * (wait + own + qw * wait)) / p.weight_scale,
+                           wait, own, p))
+        ranked.sort(key=lambda r: r[0])
+        top = ranked[:_PAIR_PREFILLS]
+
+        best_pair: tuple[str | None, str] | None = None
+        best = math.inf
+        for d in decode:
+            q = quote(d)
+            batch = (d.in_flight if d.remote_ratio == 0.0 else d.fleet_in_flight) + 1
+            running = batch if batch <= q.cap else q.cap
+            step = q.steps.get(running)
+            if step is None:
+                step = q.steps[running] = decode_step_s(d.perf, running, ctx)
+            dslow = d.class_decode_slowdown
+            tpot = check = step * dslow
+            duty = d.duty
+            if duty > 0.0:
+                scale = (1.0 + d.remote_ratio) * d.class_prefill_slowdown
+                duty *= scale
+                tpot = interleaved_tpot(tpot, duty, saturated_step_s(d.perf, running, ctx) * dslow
+                                        if duty > _CAP_DUTY else math.inf)
+                check = tpot + _SPREAD_Z * math.sqrt(d.duty_sq * scale
+                                                     * d.class_prefill_slowdown * tpot / out)
+            if d.decode_excess != 1.0:
+                check *= d.decode_excess
+            tpot_excess = check / tpot_limit - 1.0 if check > tpot_limit else 0.0
+            engine_wait = 0.0
+            if batch > running:
+                engine_wait = (batch - running) * (out * tpot) / running
+            # The prompt computed here.
+            wait, own = prompt_time(d, q)
+            ttft = wait + own + tpot + engine_wait
+            cost = ttft_weight * (ttft + qw * (wait + engine_wait)) + out * tpot \
+                + qw * d.decoding * own
+            # (cost, ttft, prefill node, the weight scale of the pair's weaker node)
+            options: list[tuple[float, float, str | None, float]] = [
+                (cost, ttft, None, d.weight_scale)]
+            # ... or on a prefill node, its KV sent here.
+            kv_per_token = d.perf.model.kv_bytes_per_token
+            for _, p_wait, p_own, p in top:
+                if p.id == d.id:
+                    continue
+                kv = links.transfer_s(p.id, d.id, kv_per_token, prompt)
+                # The decode node's own step (its first token) comes after the KV,
+                # on top of the step every TTFT here counts.
+                ttft = p_wait + p_own + kv + 2.0 * tpot + engine_wait
+                cost = ttft_weight * (ttft + qw * (p_wait + engine_wait)) + out * tpot
+                options.append((cost, ttft, p.id, min(d.weight_scale, p.weight_scale)))
+            for cost, ttft, p_id, weight_scale in options:
+                excess = tpot_excess
+                if ttft > ttft_limit:
+                    excess += ttft / ttft_limit - 1.0
+                total = cost / weight_scale + excess * _VIOLATION_COST_S
+                if total < best:
+                    best, best_pair = total, (p_id, d.id)
+        return best_pair
 
 
 class _Quote:
