@@ -87,6 +87,25 @@ def _prefix_table(doc: dict[str, Any]) -> Table | None:
     return table
 
 
+def _pd_table(doc: dict[str, Any]) -> Table | None:
+    """Per-phase figures, for fleets whose nodes have prefill/decode roles."""
+    if not any("disaggregation" in r for r in doc["results"].values()):
+        return None
+    table = Table(title="disaggregation (prompts computed on another node than their decode)")
+    for col in ("policy", "remote", "prefill by GPU", "KV transfer p50", "KV transfer p99",
+                "TPOT p99 remote", "TPOT p99 local"):
+        table.add_column(col, justify="left" if col in ("policy", "prefill by GPU") else "right")
+    for name, r in doc["results"].items():
+        p = r.get("disaggregation")
+        if p is None:
+            continue
+        by_gpu = ", ".join(f"{g} {share:.2f}" for g, share in p["prefill_share_by_gpu"].items())
+        table.add_row(name, _fmt(p["remote_share"]), by_gpu or "-",
+                      _fmt(p["kv_transfer_s"]["p50"], 4), _fmt(p["kv_transfer_s"]["p99"], 4),
+                      _fmt(p["tpot_p99_s"]["remote"]), _fmt(p["tpot_p99_s"]["local"]))
+    return table
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from tailguard.sim.run import RunOptions, simulate
     from tailguard.sim.scenario import load_scenario, parse_policies
@@ -121,9 +140,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     out.print(_sim_table(doc))
     out.print(_per_gpu_table(doc))
-    prefix = _prefix_table(doc)
-    if prefix is not None:
-        out.print(prefix)
+    for extra in (_prefix_table(doc), _pd_table(doc)):
+        if extra is not None:
+            out.print(extra)
     from tailguard.sim.stragglers import straggler_table
 
     strag = straggler_table(doc)

@@ -16,6 +16,7 @@ from tailguard.errors import ConfigError
 from tailguard.sim.admission_report import admission_report, draw_priorities
 from tailguard.sim.cluster import RunRecord, run_cluster
 from tailguard.sim.fleet_bound import fleet_bound
+from tailguard.sim.pd_report import pd_report
 from tailguard.sim.results import compute_result
 from tailguard.sim.scenario import PolicyChoice, Scenario
 from tailguard.sim.stragglers import outlier_report
@@ -108,6 +109,7 @@ def run_policy(
         res["outliers"] = outlier_report(rec.events, scn.faults, rec.end_time,
                                          rec.outliers["time_in_states"],
                                          rec.outliers["detected"], rec.outliers["enforced"])
+    res.update(pd_report(rec, wl.warmup_s, gpu_of))
     res["hedges"] = rec.hedges
     if scn.hedging.enabled:  # the share is over every request of the run, warm-up included
         res["hedge_wins"] = rec.hedge_wins

@@ -255,7 +255,8 @@ class TailguardPolicy:
         the pair's link (:mod:`~tailguard.core.kv_transfer`) and a step of the
         decode node's own (the engine computes the prompt's last token again);
         the answer then streams at the decode node's TPOT, untouched by this
-        prompt. Short or cached prompts stay local where that finishes sooner
+        prompt (a prefill node that decodes too pays the same externality for
+        its own streams). Short or cached prompts stay local where that finishes sooner
         (conditional disaggregation falls out of the cost). The prefill nodes
         are ranked alone first and the best ``_PAIR_PREFILLS`` are tried with
         every decode node, so a choice costs ``O(prefill + decode)``.
@@ -287,11 +288,12 @@ class TailguardPolicy:
                 wait += n.overdue_s(now)
             return wait, own * pslow
 
+        # A prefill node that also decodes (role both) stretches its own streams too.
         ranked: list[tuple[float, float, float, NodeView]] = []
         for p in prefill:
             wait, own = prompt_time(p, quote(p))
-            ranked.append(((ttft_weight * (wait + own + qw * wait)) / p.weight_scale,
-                           wait, own, p))
+            ranked.append(((ttft_weight * (wait + own + qw * wait) + qw * p.decoding * own)
+                           / p.weight_scale, wait, own, p))
         ranked.sort(key=lambda r: r[0])
         top = ranked[:_PAIR_PREFILLS]
 
@@ -328,16 +330,20 @@ class TailguardPolicy:
             # (cost, ttft, prefill node, the weight scale of the pair's weaker node)
             options: list[tuple[float, float, str | None, float]] = [
                 (cost, ttft, None, d.weight_scale)]
-            # ... or on a prefill node, its KV sent here.
+            # ... or on a prefill node, its KV sent here. Two nodes that both do both
+            # phases do not split a request: each computes its own prompts, and
+            # choosing between them already spreads the prompts' interference.
             kv_per_token = d.perf.model.kv_bytes_per_token
+            both = d.spec.role == "both"
             for _, p_wait, p_own, p in top:
-                if p.id == d.id:
+                if p.id == d.id or (both and p.spec.role == "both"):
                     continue
                 kv = links.transfer_s(p.id, d.id, kv_per_token, prompt)
                 # The decode node's own step (its first token) comes after the KV,
                 # on top of the step every TTFT here counts.
                 ttft = p_wait + p_own + kv + 2.0 * tpot + engine_wait
-                cost = ttft_weight * (ttft + qw * (p_wait + engine_wait)) + out * tpot
+                cost = ttft_weight * (ttft + qw * (p_wait + engine_wait)) + out * tpot \
+                    + qw * p.decoding * p_own
                 options.append((cost, ttft, p.id, min(d.weight_scale, p.weight_scale)))
             for cost, ttft, p_id, weight_scale in options:
                 excess = tpot_excess

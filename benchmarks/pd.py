@@ -1,0 +1,138 @@
+"""Disaggregated prefill/decode against co-located serving, and P/D routing policies.
+
+One mixed inventory is deployed as formations: co-located (every replica does
+both phases) and P/D splits (each GPU type given a role). Each formation is
+run on long-prompt traffic (Mooncake-like: lognormal prompts, mean about 13k
+tokens) and on short-prompt traffic (Azure conversation), at the same offered
+rates, with the policies that apply to it:
+
+* co-located: ``tailguard``, ``least_request``;
+* P/D: ``tailguard`` (pairs by predicted finish: hardware, load, link),
+  ``round_robin`` and ``cache_aware`` phase by phase (vllm-router's P/D),
+  ``dynamo`` (Dynamo's conditional rule, least loaded per phase).
+
+It prints attainment, TTFT and TPOT p99, the share of prompts computed on
+another node, the KV transfer p99 and, with ``--goodput``, the highest rate at
+which each keeps the SLO attainment (bisection), per dollar-hour of the
+inventory. Every number comes from one run of the simulator; nothing is
+asserted.
+
+    python benchmarks/pd.py [--inventory mixed|h100-a100] [--rates 1.5,2.5]
+                            [--workloads long,short] [--duration 600] [--seed 1]
+                            [--goodput] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.sim.run import RunOptions, simulate
+from tailguard.sim.scenario import PolicyChoice, parse_scenario
+
+# Inventories as (gpu, count); formations give each GPU type a role.
+INVENTORIES: dict[str, list[tuple[str, int]]] = {
+    "mixed": [("H100-SXM", 2), ("A100-80GB", 4), ("L40S", 4)],
+    "h100-a100": [("H100-SXM", 2), ("A100-80GB", 4)],
+}
+FORMATIONS: dict[str, dict[str, dict[str, str]]] = {
+    "mixed": {
+        "co-located": {},
+        "H100 prefill": {"H100-SXM": "prefill", "A100-80GB": "decode", "L40S": "decode"},
+        "H100+L40S prefill": {"H100-SXM": "prefill", "A100-80GB": "decode",
+                              "L40S": "prefill"},
+        "H100 both": {"H100-SXM": "both", "A100-80GB": "decode", "L40S": "decode"},
+    },
+    "h100-a100": {
+        "co-located": {},
+        "H100 prefill": {"H100-SXM": "prefill", "A100-80GB": "decode"},
+        "H100 both": {"H100-SXM": "both", "A100-80GB": "decode"},
+    },
+}
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "long": {"input_tokens": {"dist": "lognormal", "mu": 9.1, "sigma": 0.9, "min": 64,
+                              "max": 100_000},
+             "output_tokens": {"dist": "lognormal", "mu": 5.5, "sigma": 0.7, "min": 2,
+                               "max": 2000},
+             "slo": {"ttft_s": 5.0, "tpot_s": 0.05}},
+    "short": {"input_tokens": {"dist": "azure-conv"}, "output_tokens": {"dist": "azure-conv"},
+              "slo": {"ttft_s": 2.0, "tpot_s": 0.05}},
+}
+COLOCATED = ["tailguard", "least_request"]
+PAIRED = ["tailguard", "round_robin", "cache_aware", "dynamo"]
+
+
+def scenario(inventory: str, formation: str, workload: str, rate: float, duration: float,
+             seed: int) -> dict[str, Any]:
+    roles = FORMATIONS[inventory][formation]
+    wl = WORKLOADS[workload]
+    return {
+        "name": f"{formation} / {workload}", "seed": seed, "model": "llama-3.1-8b",
+        "slo": wl["slo"], "network_rtt_s": 0.001,
+        "fleet": [{"gpu": g, "count": n, "role": roles.get(g, "both")}
+                  for g, n in INVENTORIES[inventory]],
+        "workload": {"duration_s": duration, "warmup_s": min(60.0, duration / 10),
+                     "arrival": {"process": "poisson", "rate": rate},
+                     "input_tokens": wl["input_tokens"], "output_tokens": wl["output_tokens"]},
+        "policies": COLOCATED if set(roles.values()) <= {"both"} else PAIRED,
+    }
+
+
+def price_per_hour(inventory: str) -> float:
+    return sum(DEFAULT_CATALOG.gpu(g).price_per_hour * n for g, n in INVENTORIES[inventory])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inventory", choices=sorted(INVENTORIES), default="mixed")
+    ap.add_argument("--rates", default="1.5,2.5", help="offered req/s, comma-separated")
+    ap.add_argument("--workloads", default="long,short")
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--goodput", action="store_true",
+                    help="also bisect each policy's highest rate at the SLO attainment")
+    ap.add_argument("--json", help="write every result here")
+    args = ap.parse_args()
+    dollars = price_per_hour(args.inventory)
+    print(f"inventory {args.inventory}: "
+          + ", ".join(f"{n} x {g}" for g, n in INVENTORIES[args.inventory])
+          + f" (${dollars:.2f}/h)")
+    rows: list[dict[str, Any]] = []
+    for workload in args.workloads.split(","):
+        for rate in (float(r) for r in args.rates.split(",")):
+            print(f"\n{workload} prompts at {rate} req/s")
+            print(f"  {'formation':18s} {'policy':13s} {'att.':>7s} {'TTFT p99':>9s} "
+                  f"{'TPOT p99':>9s} {'remote':>7s} {'KV p99':>8s}"
+                  + (f" {'goodput/s':>10s} {'per $/h':>8s}" if args.goodput else ""))
+            for formation in FORMATIONS[args.inventory]:
+                raw = scenario(args.inventory, formation, workload, rate, args.duration,
+                               args.seed)
+                scn = parse_scenario(raw)
+                t0 = time.perf_counter()
+                doc = simulate(scn, [PolicyChoice(p) for p in raw["policies"]],
+                               RunOptions(rate=rate, find_goodput=args.goodput))
+                wall = time.perf_counter() - t0
+                for policy, r in doc["results"].items():
+                    pd = r.get("disaggregation", {})
+                    line = (f"  {formation:18s} {policy:13s} {r['slo_attainment']:7.4f} "
+                            f"{r['ttft_s']['p99']:9.3f} {r['tpot_s']['p99']:9.4f} "
+                            f"{pd.get('remote_share', 0.0):7.2f} "
+                            f"{pd.get('kv_transfer_s', {}).get('p99', 0.0):8.4f}")
+                    if args.goodput:
+                        g = r["max_goodput_rps"]
+                        line += f" {g:10.2f} {g / dollars:8.3f}"
+                    print(line)
+                    rows.append({"workload": workload, "rate": rate, "formation": formation,
+                                 "policy": policy, **r})
+                print(f"  ({formation}: {wall:.1f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Disaggregated prefill and decode in the simulator: both legs on their engines,
+the KV held on the prefill node until the decode node has it, transfers timed
+by the pair's link, a prefill node crashing under load, and what P/D buys on
+long prompts and costs nothing on short ones."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tailguard.config.faults import FaultSpec
+from tailguard.core.balancer import Balancer, PoolConfig
+from tailguard.core.exchange import Exchange
+from tailguard.core.hardware import DEFAULT_CATALOG, perf_model
+from tailguard.core.kv_transfer import Link
+from tailguard.core.outliers import OutlierConfig
+from tailguard.core.policies import Slo
+from tailguard.engine import EngineConfig
+from tailguard.sim.cluster import OK, ClusterSim, node_specs
+from tailguard.sim.run import RunOptions, simulate
+from tailguard.sim.scenario import NodePlan, PolicyChoice, parse_scenario
+
+MODEL = "llama-3.1-8b"
+
+
+def plans(roles: dict[str, str]) -> list[NodePlan]:
+    out = []
+    for gpu, count in (("H100-SXM", 2), ("A100-80GB", 3)):
+        perf = perf_model(gpu, MODEL)
+        out += [NodePlan(f"{gpu}#{i}", 0, perf, EngineConfig(), 1.0, roles.get(gpu, "both"))
+                for i in range(count)]
+    return out
+
+
+def run(policy: str, roles: dict[str, str], n: int = 600, faults: tuple[FaultSpec, ...] = (),
+        link: Link = Link(87.0)) -> ClusterSim:
+    rng = random.Random(4)
+    t, arrivals, prompts, outputs = 0.0, [], [], []
+    for _ in range(n):
+        t += rng.expovariate(2.0)
+        arrivals.append(t)
+        prompts.append(min(60_000, int(rng.lognormvariate(8.8, 0.9))))
+        outputs.append(max(2, int(rng.lognormvariate(5.0, 0.6))))
+    ps = plans(roles)
+    balancer = Balancer(node_specs(ps, MODEL),
+                        [PoolConfig(MODEL, policy, slo=Slo(5.0, 0.05), kv_link=link)],
+                        random.Random(1), outliers=OutlierConfig(enabled=bool(faults)))
+    sim = ClusterSim(balancer, ps, MODEL, arrivals, prompts, outputs, seed=1,
+                     network_rtt_s=0.001, faults=faults, step_by_step=False, limited=False,
+                     priorities=None, exchange_type=Exchange)
+    sim.run(1e9, 1.0, None)
+    return sim
+
+
+PD = {"H100-SXM": "prefill", "A100-80GB": "decode"}
+
+
+@pytest.mark.parametrize("policy", ["tailguard", "round_robin", "dynamo"])
+def test_every_request_is_served_and_every_held_kv_freed(policy: str) -> None:
+    sim = run(policy, PD)
+    rec = sim.rec
+    assert rec.status.count(OK) == len(rec.arrival)
+    remote = [i for i, p in enumerate(rec.prefill_node) if p >= 0]
+    assert len(remote) > len(rec.arrival) // 2
+    for i in remote:  # computed on an H100, decoded on an A100
+        assert rec.node_ids[rec.prefill_node[i]].startswith("H100")
+        assert rec.node_ids[rec.node[i]].startswith("A100")
+    for ns in sim.nodes:
+        assert ns.engine.num_held == 0 and ns.engine.kv_used_blocks == 0, ns.plan.id
+        if ns.plan.role == "decode":
+            assert ns.engine.prompt_tokens_total > 0
+    for n in sim.balancer.nodes.values():
+        assert (n.in_flight, n.prefill_backlog, n.decoding) == (0, 0, 0), n.id
+    assert sim.balancer.double_release == 0
+
+
+def test_a_transfer_takes_the_pairs_link_time() -> None:
+    link = Link(10.0, 0.004)
+    sim = run("round_robin", PD, n=100, link=link)
+    rec = sim.rec
+    per_token = DEFAULT_CATALOG.model(MODEL).kv_bytes_per_token
+    for i, p in enumerate(rec.prefill_node):
+        assert p >= 0
+        assert rec.kv_s[i] == pytest.approx(0.004 + rec.prompt[i] * per_token / 10e9)
+        # The first token comes after the prefill, the transfer and a decode step.
+        assert rec.first[i] - rec.arrival[i] > rec.kv_s[i]
+
+
+def test_a_prefill_node_crash_loses_no_request() -> None:
+    crash = FaultSpec(kind="crash", node="H100-SXM#0", at_s=60.0, duration_s=60.0)
+    sim = run("tailguard", PD, faults=(crash,))
+    rec = sim.rec
+    assert rec.status.count(OK) == len(rec.arrival)  # retried on the other pair, or recomputed
+    assert rec.retries > 0
+    for ns in sim.nodes:
+        assert ns.engine.num_held == 0 and ns.engine.kv_used_blocks == 0, ns.plan.id
+    assert sim.balancer.double_release == 0
+
+
+def scenario(roles: dict[str, str], prompts: dict[str, Any], rate: float) -> Any:
+    return parse_scenario({
+        "name": "pd", "seed": 2, "model": MODEL, "slo": {"ttft_s": 5.0, "tpot_s": 0.05},
+        "network_rtt_s": 0.001,
+        "fleet": [{"gpu": "H100-SXM", "count": 2, "role": roles.get("H100-SXM", "both")},
+                  {"gpu": "A100-80GB", "count": 4, "role": roles.get("A100-80GB", "both")}],
+        "workload": {"duration_s": 600, "warmup_s": 60,
+                     "arrival": {"process": "poisson", "rate": rate},
+                     "input_tokens": prompts,
+                     "output_tokens": {"dist": "lognormal", "mu": 5.5, "sigma": 0.7,
+                                       "min": 2, "max": 2000}}})
+
+
+LONG = {"dist": "lognormal", "mu": 9.1, "sigma": 0.9, "min": 64, "max": 100_000}
+
+
+def result(roles: dict[str, str], prompts: dict[str, Any], rate: float) -> dict[str, Any]:
+    doc = simulate(scenario(roles, prompts, rate), [PolicyChoice("tailguard")],
+                   RunOptions(rate=rate))
+    r: dict[str, Any] = doc["results"]["tailguard"]
+    return r
+
+
+def test_long_prompts_decode_faster_on_a_split_fleet() -> None:
+    colo, split = result({}, LONG, 2.5), result(PD, LONG, 2.5)
+    assert split["tpot_s"]["p99"] < 0.8 * colo["tpot_s"]["p99"]
+    assert split["slo_attainment"] >= colo["slo_attainment"] - 0.002
+    pd = split["disaggregation"]
+    assert pd["remote_share"] > 0.5 and set(pd["prefill_share_by_gpu"]) == {"H100-SXM"}
+
+
+def test_short_prompts_lose_nothing_where_the_prefill_nodes_also_decode() -> None:
+    short = {"dist": "azure-conv"}
+    colo, split = result({}, short, 3.0), result({"A100-80GB": "decode"}, short, 3.0)
+    assert split["ttft_s"]["p99"] <= 1.05 * colo["ttft_s"]["p99"]
+    assert split["slo_attainment"] >= colo["slo_attainment"] - 0.001
+    assert split["disaggregation"]["remote_share"] < 0.2  # the bypass
