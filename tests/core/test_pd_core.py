@@ -83,8 +83,12 @@ def test_a_long_prompt_is_computed_on_a_prefill_node_and_decoded_elsewhere() -> 
     assert ex.prefilled(copy, 0.9) == ()  # once
     assert copy.ticket.prefill is None and pre.released
     assert p.in_flight == 0 and p.capacity.prefill.samples == 1
-    assert copy.ticket.due < 1.0  # the decode node owes its first token soon now
+    # The decode node is not held to the hand-off's first token (the link may be
+    # why it is late): the pair's link is judged by it instead.
+    assert copy.ticket.due == float("inf") and copy.ticket.kv_from == copy.prefill_node
+    assert copy.ticket.kv_s > 0.0
     assert ex.first_chunk(copy, 0.95) == ()
+    assert b.links is not None and b.links.samples == 1
     assert ex.phase is Phase.STREAMING
     assert dn.capacity.prefill.samples == 0  # its prompt was not computed there
     ex.finished(copy, 12.0, Outcome.OK, 300)
@@ -244,3 +248,27 @@ def test_tickets_name_their_legs() -> None:
     b.on_finish(t, 0.5, Outcome.CLIENT_CANCELLED, 0)  # ends the pending prefill leg too
     assert t.prefill is None
     settled(b)
+
+
+def test_a_link_is_flagged_slow_on_most_of_its_recent_hand_offs_and_recovers() -> None:
+    from tailguard.core.outliers.links import LinkWatch
+
+    watch = LinkWatch()
+    prices: dict[tuple[str, str], float] = {}
+    # Healthy: 20 ms transfers, 30 ms steps, up to two steps of noise.
+    for i in range(10):
+        watch.on_hand_off("p", "d", 0.020 + 0.030 + 0.03 * (i % 3) / 2, 0.020, 0.030, i)
+    assert watch.tick(10.0, prices) == [] and prices == {}
+    # Ten times slower: flagged at the fourth slow hand-off, priced at ~10x.
+    for i in range(4):
+        watch.on_hand_off("p", "d", 0.200 + 0.030, 0.020, 0.030, 11.0 + i)
+    (ev,) = watch.tick(15.0, prices)
+    assert (ev.node, ev.kind, ev.state) == ("p->d", "link", "slow") and "10.0x" in ev.reason
+    assert prices[("p", "d")] == pytest.approx(10.0)
+    # Unused, its price eases back (the router tries it again); six clean ones clear it.
+    watch.tick(15.0 + 60.0, prices)
+    assert 1.0 < prices[("p", "d")] < 10.0 ** 0.3
+    for i in range(6):
+        watch.on_hand_off("p", "d", 0.055, 0.020, 0.030, 80.0 + i)
+    (ev,) = watch.tick(90.0, prices)
+    assert ev.state == "recovered" and prices == {}

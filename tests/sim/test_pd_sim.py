@@ -14,7 +14,7 @@ from tailguard.config.faults import FaultSpec
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.exchange import Exchange
 from tailguard.core.hardware import DEFAULT_CATALOG, perf_model
-from tailguard.core.kv_transfer import Link
+from tailguard.core.kv_transfer import LINKS, Link
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
 from tailguard.engine import EngineConfig
@@ -35,7 +35,7 @@ def plans(roles: dict[str, str]) -> list[NodePlan]:
 
 
 def run(policy: str, roles: dict[str, str], n: int = 600, faults: tuple[FaultSpec, ...] = (),
-        link: Link = Link(87.0)) -> ClusterSim:
+        link: Link = LINKS["rdma-4x200"]) -> ClusterSim:
     rng = random.Random(4)
     t, arrivals, prompts, outputs = 0.0, [], [], []
     for _ in range(n):
@@ -136,3 +136,46 @@ def test_short_prompts_lose_nothing_where_the_prefill_nodes_also_decode() -> Non
     assert split["ttft_s"]["p99"] <= 1.05 * colo["ttft_s"]["p99"]
     assert split["slo_attainment"] >= colo["slo_attainment"] - 0.001
     assert split["disaggregation"]["remote_share"] < 0.2  # the bypass
+
+
+def straggler_run(fault: dict[str, Any] | None) -> dict[str, Any]:
+    """A mixed P/D fleet (H100 and L40S prefill, A100 and L40S decode) under long
+    prompts, with one fault from 200 s to 400 s."""
+    scn = parse_scenario({
+        "name": "pd-faults", "seed": 7, "model": MODEL,
+        "slo": {"ttft_s": 5.0, "tpot_s": 0.05}, "network_rtt_s": 0.001,
+        "fleet": [{"gpu": "H100-SXM", "count": 2, "role": "prefill", "speed_spread": 0.1},
+                  {"gpu": "L40S", "count": 2, "role": "prefill", "speed_spread": 0.1},
+                  {"gpu": "A100-80GB", "count": 4, "role": "decode", "speed_spread": 0.1},
+                  {"gpu": "L40S", "count": 2, "role": "decode", "speed_spread": 0.1}],
+        "workload": {"duration_s": 600, "warmup_s": 60,
+                     "arrival": {"process": "poisson", "rate": 2.5},
+                     "input_tokens": LONG,
+                     "output_tokens": {"dist": "lognormal", "mu": 5.5, "sigma": 0.7,
+                                       "min": 2, "max": 2000}},
+        "faults": [dict(fault, at_s=200, duration_s=200)] if fault else []})
+    r: dict[str, Any] = simulate(scn, [PolicyChoice("tailguard")])["results"]["tailguard"]
+    return r
+
+
+@pytest.mark.parametrize(("fault", "named"), [
+    ({"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5}, "H100-SXM#0"),
+    ({"node": "A100-80GB#0", "kind": "throttle", "factor": 0.5}, "A100-80GB#0"),
+    ({"node": "A100-80GB#0", "kind": "kv_link", "factor": 0.1}, "->A100-80GB#0"),
+])
+def test_a_slow_prefill_node_decode_node_or_link_is_found_and_named(
+        fault: dict[str, Any], named: str) -> None:
+    r = straggler_run(fault)
+    (hit,) = r["outliers"]["time_to_detect"]
+    assert hit["detected_s"] is not None and hit["detected_s"] <= 15.0, hit
+    assert r["outliers"]["false_detections"] == 0
+    first = next(e for e in r["events"] if e["state"] in ("degraded", "slow"))
+    assert first["node"].endswith(named)
+    # The phase or the link is in the reason.
+    phase = {"throttle": "prefill" if "H100" in named else "decode", "kv_link": "KV"}
+    assert phase[fault["kind"]] in first["reason"]
+
+
+def test_a_healthy_pd_fleet_shows_no_detection() -> None:
+    r = straggler_run(None)
+    assert r["outliers"]["false_detections"] == 0 and not r.get("events")

@@ -9,10 +9,13 @@ emulated engines (a fleet node's ``faults:`` and ``POST /admin/faults``)::
     {kind: hang}                                     # accept requests, never answer
     {kind: crash, duration_s: 30}                    # fail all, refuse connections
     {kind: network, delay_s: 0.2, jitter_s: 0.1}     # a slow link: each write waits
+    {kind: kv_link, factor: 0.1}                     # its KV path at a tenth of its rate
 
 ``at_s`` (default 0) delays the start; ``duration_s`` (default: to the end)
 ends it. A scenario's fault names its ``node``; a fleet node's faults are its
-own. The simulator has no request timeouts, so it refuses ``hang``.
+own. The simulator has no request timeouts, so it refuses ``hang``; the
+emulated engines move no KV between them (no disaggregated roles), so they
+refuse ``kv_link``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pydantic import Field, model_validator
 
 from tailguard.config.parse import Block, FieldError
 
-KINDS = ("throttle", "stall", "errors", "hang", "crash", "network")
-FaultKind = Literal["throttle", "stall", "errors", "hang", "crash", "network"]
+KINDS = ("throttle", "stall", "errors", "hang", "crash", "network", "kv_link")
+FaultKind = Literal["throttle", "stall", "errors", "hang", "crash", "network", "kv_link"]
 # Spellings older files used, and what they are now: refused with the new name.
 RENAMED = {"error_rate": "errors", "slow_network": "network", "pause": "stall",
            "slow": "throttle", "pause_s": "seconds"}
@@ -37,6 +40,7 @@ PARAMETERS: dict[str, tuple[str, ...]] = {
     "hang": (),
     "crash": (),
     "network": ("delay_s", "jitter_s"),
+    "kv_link": ("factor",),
 }
 
 
@@ -48,7 +52,7 @@ class FaultSpec:
     at_s: float = 0.0
     duration_s: float | None = None  # None: until the end (or until cleared)
     node: str | None = None  # a scenario's: which node
-    factor: float = 1.0  # throttle: speed multiplier (0.4 = 2.5x slower steps)
+    factor: float = 1.0  # throttle: speed multiplier (0.4 = 2.5x slower steps); kv_link: rate
     gpu_index: int | None = None  # throttle: one GPU of the replica (its slowest rank paces it)
     seconds: float = 0.0  # stall: length of one pause
     period_s: float | None = None  # stall: repeat the pause this often while active
@@ -104,6 +108,9 @@ class FaultBlock(Block):
                              f"{', '.join(PARAMETERS[self.kind]) or 'no parameters'})")
         if self.kind == "throttle" and self.factor is None:
             raise FieldError("factor", "is required for a throttle (speed factor, e.g. 0.4)")
+        if self.kind == "kv_link" and self.factor is None:
+            raise FieldError("factor", "is required for a kv_link fault (its share of the "
+                             "link's rate, e.g. 0.1)")
         if self.kind == "stall":
             if self.seconds is None:
                 raise FieldError("seconds", "is required for a stall (the length of one pause)")

@@ -270,6 +270,9 @@ class NodeBlock(ReplicaShape):
         for f in faults:
             if f.node is not None:
                 raise ValueError("a node's faults are its own: leave out node")
+            if f.kind == "kv_link":
+                raise ValueError("a live node moves no KV to another (disaggregated roles run "
+                                 "in the simulator only for now): no kv_link fault")
         return faults
 
     def config(self, where: str, catalog: Catalog, warnings: list[str] | None) -> NodeConfig:

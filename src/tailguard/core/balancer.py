@@ -51,6 +51,7 @@ from tailguard.core.hardware import DEFAULT_CATALOG, DEFAULT_PERF, Catalog, Perf
 from tailguard.core.learner import Learner
 from tailguard.core.limit_plan import node_limiter
 from tailguard.core.outliers import OutlierConfig, OutlierDetector
+from tailguard.core.outliers.links import LinkWatch
 from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import RequestInfo, make_pair_policy, make_policy
 from tailguard.core.pool import (
@@ -100,9 +101,12 @@ class Balancer:
         self.recorder = recorder
         self.pools: dict[str, Pool] = {}
         self.nodes: dict[str, Node] = {}
+        self.link_prices: dict[tuple[str, str], float] = {}  # LinkMap.slowness, shared
         self._ticket_seq = 0
         self.admission = Admission(self.pools, self._pick)
-        self.learner = Learner(self.outliers, self.admission)
+        # Slow KV links between disaggregated pairs: judged where nodes are.
+        self.links = LinkWatch() if self.outliers is not None else None
+        self.learner = Learner(self.outliers, self.admission, self.links)
         self.peers = Peers(self.nodes, self.pools, self.outliers)
         self.probes = HealthProbes(probes or ProbeRule())
         self._priors: dict[tuple[object, ...], PerfModel] = {}
@@ -122,6 +126,8 @@ class Balancer:
             self.recorder({"op": "add_pool", "config": pool_to_dict(config)})
         pool = Pool(config, policy, make_pair_policy(config.policy, policy, config.slo,
                                                      config.policy_options))
+        pool.link_slowness = self.link_prices  # one measure of each pair for every pool
+        pool.invalidate()
         self.pools[config.name] = pool
         return pool
 
@@ -633,7 +639,10 @@ class Balancer:
         self._refresh_class_slowdowns()
         if self.outliers is None:
             return []
-        return self.outliers.tick(now, self.nodes, self.pools.values(), self.rng)
+        events = self.outliers.tick(now, self.nodes, self.pools.values(), self.rng)
+        if self.links is not None and self.links.samples:
+            events += self.links.tick(now, self.link_prices)
+        return events
 
     def _refresh_class_slowdowns(self) -> None:
         # The class's speed is its healthy nodes' (all of them if none is): a

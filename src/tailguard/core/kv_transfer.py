@@ -92,13 +92,19 @@ class LinkMap:
     default: Link = DEFAULT_LINK
     nodes: Mapping[str, Link] = field(default_factory=dict)
     pairs: Mapping[frozenset[str], Link] = field(default_factory=dict)
+    # (from, to) -> how many times slower than its link the detector found a
+    # pair's transfers (core/outliers/links.py); the map prices them so.
+    slowness: dict[tuple[str, str], float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, default: Link, nodes: Mapping[str, Link | None],
-           pairs: tuple[PairLink, ...] = ()) -> LinkMap:
-        """The map of a pool: its default, its nodes' own links, its pairs'."""
+           pairs: tuple[PairLink, ...] = (),
+           slowness: dict[tuple[str, str], float] | None = None) -> LinkMap:
+        """The map of a pool: its default, its nodes' own links, its pairs', and the
+        measured slowness of pairs (shared, not copied)."""
         return cls(default, {k: v for k, v in nodes.items() if v is not None},
-                   {frozenset((p.a, p.b)): p.link for p in pairs})
+                   {frozenset((p.a, p.b)): p.link for p in pairs},
+                   slowness if slowness is not None else {})
 
     def between(self, a: str, b: str) -> Link | None:
         """The link from ``a`` to ``b``; None when they are one node."""
@@ -113,6 +119,16 @@ class LinkMap:
         return (la or self.default).slower(lb or self.default)
 
     def transfer_s(self, a: str, b: str, kv_bytes_per_token: float, tokens: int) -> float:
-        """Seconds to move ``tokens`` tokens of KV from ``a`` to ``b``."""
+        """Seconds to move ``tokens`` tokens of KV from ``a`` to ``b`` (at the pair's
+        measured slowness, where it has one)."""
+        link = self.between(a, b)
+        if link is None:
+            return 0.0
+        t = kv_transfer_s(kv_bytes_per_token, tokens, link)
+        slow = self.slowness.get((a, b)) if self.slowness else None
+        return t if slow is None else link.setup_s + (t - link.setup_s) * slow
+
+    def nominal_s(self, a: str, b: str, kv_bytes_per_token: float, tokens: int) -> float:
+        """:meth:`transfer_s` at the link's own rate, whatever was measured."""
         link = self.between(a, b)
         return 0.0 if link is None else kv_transfer_s(kv_bytes_per_token, tokens, link)

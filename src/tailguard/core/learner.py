@@ -14,6 +14,7 @@ import math
 
 from tailguard.core.fleet import OVERDUE_FACTOR, Node, Outcome
 from tailguard.core.outliers import OutlierDetector
+from tailguard.core.outliers.links import LinkWatch
 from tailguard.core.pool import DECODE, PREFILL, Ticket
 from tailguard.core.predict import (
     decode_step_s,
@@ -39,10 +40,12 @@ CACHE_HIT_RATIO = 0.25
 class Learner:
     """What answers teach the nodes' estimators and the outlier detector."""
 
-    __slots__ = ("_memo", "_memo_own", "admission", "double_release", "outliers")
+    __slots__ = ("_memo", "_memo_own", "admission", "double_release", "links", "outliers")
 
-    def __init__(self, outliers: OutlierDetector | None, admission: Admission) -> None:
+    def __init__(self, outliers: OutlierDetector | None, admission: Admission,
+                 links: LinkWatch | None = None) -> None:
         self.outliers = outliers
+        self.links = links  # hand-off samples of disaggregated requests, per pair
         self.admission = admission
         self.double_release = 0  # finishes for an already released ticket
         # node id -> decode_expected's last answer: (its inputs, its answer); given areas, own
@@ -72,6 +75,15 @@ class Learner:
         ticket.seg_areas = ticket.areas_at_first = node.areas_at(now)
         node.ttft.update(now - ticket.t_dispatch, now)
         pool = ticket.pool
+        if ticket.leg == DECODE and self.links is not None and ticket.kv_from \
+                and ticket.batch_at_dispatch <= node.slots \
+                and not node.kv_short_since(ticket.t_dispatch):
+            # The pair's link, judged where the decode node could admit the request
+            # at once (else its wait is the node's queue), at the node's own speed.
+            slowdown = max(node.class_decode_slowdown, node.capacity.decode_slowdown)
+            self.links.on_hand_off(ticket.kv_from, node.id, now - ticket.t_dispatch,
+                                   ticket.kv_s,
+                                   (ticket.expected_ttft() - ticket.kv_s) * slowdown, now)
         if defer_prefill:
             ticket.pending_prefill = True
             if self.outliers is not None:
@@ -200,13 +212,14 @@ class Learner:
         pool = ticket.pool
         ticket.t_dispatch = now
         ticket.batch_at_dispatch = node.fleet_in_flight
-        ticket.kv_s = pool.links.transfer_s(pre.node.id, node.id,
-                                            node.perf.model.kv_bytes_per_token,
-                                            ticket.prompt_tokens)
+        ticket.kv_from = pre.node.id
+        ticket.kv_s = pool.links.nominal_s(pre.node.id, node.id,
+                                           node.perf.model.kv_bytes_per_token,
+                                           ticket.prompt_tokens)
+        # Its deadline checks' allowance. The node is not held to it (Node.awaits):
+        # a late first token here is the link's as often as the node's, and the
+        # link's evidence is judged per pair (LinkWatch, at the first token).
         ticket.allowance = ticket.expected_ttft() * node.class_prefill_slowdown * OVERDUE_FACTOR
-        if ticket.batch_at_dispatch <= node.slots:
-            ticket.due = now + ticket.allowance
-        node.awaits(ticket)
 
     def decode_expected(self, ticket: Ticket, batch_then: int, since: float,
                         work_then: float, areas_then: tuple[float, float] | None,

@@ -62,6 +62,7 @@ class Ticket:
         "due",
         "hit_blocks",
         "id",
+        "kv_from",
         "kv_s",
         "leg",
         "node",
@@ -96,7 +97,8 @@ class Ticket:
         # DECODE on another, with ``prefill`` the other leg's ticket until it is done.
         self.leg = leg
         self.prefill: Ticket | None = None
-        self.kv_s = 0.0  # a decode leg's expected KV transfer (set at its hand-off)
+        self.kv_s = 0.0  # a decode leg's expected KV transfer (set at its hand-off)...
+        self.kv_from = ""  # ...from this node
         # The prompt work it adds to the node's backlog: what the node is expected to compute.
         hit = min(hit_blocks * pool.config.prefix_block_tokens, max(0, prompt_tokens - 1))
         self.backlog = 0 if leg == DECODE else prompt_tokens - hit
@@ -153,7 +155,7 @@ class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
     __slots__ = ("_eligible", "budget", "config", "disaggregated", "dispatch_hook", "hedger",
-                 "limited", "links", "mean_output", "mean_prompt", "name", "nodes", "pairs",
+                 "limited", "link_slowness", "links", "mean_output", "mean_prompt", "name", "nodes", "pairs",
                  "policy", "prefix", "queue")
 
     def __init__(self, config: PoolConfig, policy: Policy,
@@ -165,7 +167,9 @@ class Pool:
         self.nodes: list[Node] = []
         self._eligible: list[Node] | None = None
         self.disaggregated = False
-        self.links = LinkMap.of(config.kv_link, {}, config.kv_pairs)
+        # Pairs found slow (core/outliers/links.py): the balancer shares its dict.
+        self.link_slowness: dict[tuple[str, str], float] = {}
+        self.links = LinkMap.of(config.kv_link, {}, config.kv_pairs, self.link_slowness)
         # Running means of prompt and answer lengths (answers are only known at
         # the end, so the policy uses the pool's mean as the expected length).
         self.mean_prompt = 1000.0
@@ -200,7 +204,7 @@ class Pool:
         if self.disaggregated:
             self.links = LinkMap.of(self.config.kv_link,
                                     {n.id: n.spec.kv_link for n in self.nodes},
-                                    self.config.kv_pairs)
+                                    self.config.kv_pairs, self.link_slowness)
 
 
 def decision_dict(got: Ticket | Waiter | Shed | None) -> dict[str, Any]:

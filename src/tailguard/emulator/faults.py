@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tailguard.config import parse
 from tailguard.config.faults import FaultBlock, FaultSpec
+from tailguard.errors import ConfigError
 
 __all__ = ["FaultSpec", "FaultState", "combine", "parse_fault"]
 
@@ -25,6 +26,9 @@ __all__ = ["FaultSpec", "FaultState", "combine", "parse_fault"]
 def parse_fault(raw: object, where: str = "fault") -> FaultSpec:
     """One fault object; errors name the field (``nodes[2].faults[0].factor``)."""
     fault: FaultSpec = parse(FaultBlock, raw, where).core()
+    if fault.kind == "kv_link":
+        raise ConfigError(f"{where}.kind", "an emulated engine moves no KV to another "
+                          "(disaggregated roles run in the simulator only for now)")
     return fault
 
 

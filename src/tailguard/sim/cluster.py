@@ -350,9 +350,15 @@ class ClusterSim:
         p = self.by_id[copy.prefill_node]  # type: ignore[index]  # a Decode has one
         d = self.copy_node[copy.io]
         rid = ex.tag
-        kv = self.pool.links.transfer_s(self.nodes[p].plan.id, self.nodes[d].plan.id,
-                                        self.nodes[d].plan.perf.model.kv_bytes_per_token,
-                                        self.rec.prompt[rid])
+        pn, dn = self.nodes[p], self.nodes[d]
+        kv = self.pool.links.nominal_s(pn.plan.id, dn.plan.id,
+                                       dn.plan.perf.model.kv_bytes_per_token,
+                                       self.rec.prompt[rid])
+        rate = min(pn.kv_rate, dn.kv_rate)  # a kv_link fault on either end
+        if rate != 1.0:
+            link = self.pool.links.between(pn.plan.id, dn.plan.id)
+            setup = link.setup_s if link is not None else 0.0
+            kv = setup + (kv - setup) / rate
         if self.rec.kv_s:
             self.rec.prefill_node[rid] = p
             self.rec.kv_s[rid] = kv

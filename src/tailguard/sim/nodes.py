@@ -41,7 +41,7 @@ class SimNode:
     """One simulated node: its engine, its link and its fault state."""
 
     __slots__ = ("base_speed", "crashed", "delay", "engine", "error_rate",
-                 "index", "plan", "ranks", "scheduled", "throttle", "version")
+                 "index", "kv_rate", "plan", "ranks", "scheduled", "throttle", "version")
 
     def __init__(self, index: int, plan: NodePlan, step_by_step: bool) -> None:
         self.index = index
@@ -53,6 +53,7 @@ class SimNode:
         self.crashed = False
         self.error_rate = 0.0
         self.delay = 0.0  # extra one-way network delay (network fault)
+        self.kv_rate = 1.0  # its KV path's share of its link's rate (kv_link fault)
         self.throttle = 1.0  # the whole replica's throttle factor
         self.ranks: dict[int, float] = {}  # GPU index -> its throttle factor
 
@@ -125,5 +126,7 @@ def apply_fault(f: FaultSpec, ending: bool, ns: SimNode, now: float, failed: Fai
                     deliver(t_ev, kind, eid)
     elif f.kind == "errors":
         ns.error_rate = 0.0 if ending else f.rate
+    elif f.kind == "kv_link":
+        ns.kv_rate = 1.0 if ending else f.factor
     elif f.kind == "network":
         ns.delay = 0.0 if ending else f.delay_s

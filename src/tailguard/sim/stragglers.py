@@ -23,22 +23,31 @@ FAULT_GRACE_S = 30.0
 _BAD_STATES = ("degraded", "quarantined")
 
 
+def _names(e: Event, f: Any) -> bool:
+    """Whether event ``e`` names fault ``f``: a node's state for a fault of the node,
+    a link's (``from->to``) for a KV link fault on either end."""
+    if e.kind == "link":
+        return f.kind == "kv_link" and f.node in e.node.split("->")
+    return bool(e.node == f.node and f.kind != "kv_link")
+
+
 def outlier_report(events: Sequence[Event], faults: Sequence[Any], end_s: float,
                    time_in_states: Mapping[str, Mapping[str, float]],
                    detected: int, enforced: int) -> dict[str, Any]:
     """Time to detect each fault, false detections, time per state, ejection counts."""
-    bad = [e for e in events if e.kind == "state" and e.state in _BAD_STATES]
+    bad = [e for e in events if (e.kind == "state" and e.state in _BAD_STATES)
+           or (e.kind == "link" and e.state == "slow")]
     detect: list[dict[str, Any]] = []
     for f in faults:
         end = f.at_s + f.duration_s if f.duration_s is not None else end_s
-        hit = next((e for e in bad if e.node == f.node and f.at_s <= e.t <= end + FAULT_GRACE_S),
+        hit = next((e for e in bad if _names(e, f) and f.at_s <= e.t <= end + FAULT_GRACE_S),
                    None)
         detect.append({"node": f.node, "kind": f.kind, "at_s": f.at_s,
                        "detected_s": round(hit.t - f.at_s, 3) if hit else None,
                        "state": hit.state if hit else None})
     false = [e for e in bad if not any(
-        f.node == e.node and f.at_s <= e.t <= (f.at_s + f.duration_s if f.duration_s is not None
-                                               else end_s) + FAULT_GRACE_S for f in faults)]
+        _names(e, f) and f.at_s <= e.t <= (f.at_s + f.duration_s if f.duration_s is not None
+                                           else end_s) + FAULT_GRACE_S for f in faults)]
     unhealthy = {node: {k: round(v, 3) for k, v in sorted(st.items()) if k != "healthy"}
                  for node, st in sorted(time_in_states.items())}
     return {

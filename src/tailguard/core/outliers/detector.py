@@ -161,11 +161,14 @@ class OutlierDetector(SampleIntake):
 
     # -- interval evaluation -----------------------------------------------------
 
-    def _flag(self, name: str, ev: Evidence) -> tuple[float, bool, str]:
-        """One kind's recent slowness, whether it is flagged, and why."""
+    def _flag(self, name: str, ev: Evidence, prefills_only: bool = False) -> tuple[float, bool, str]:
+        """One kind's recent slowness, whether it is flagged, and why. A node that
+        only computes prompts (role prefill) has no decode to show a milder
+        slowness, and no decodes beside its prompts to blur its TTFT: its
+        prefill is held to the decode bar."""
         cfg = self.config
         s = math.exp(ev.ew)
-        bar = cfg.slow_ratio if name == "decode" else cfg.prefill_slow_ratio
+        bar = cfg.slow_ratio if name == "decode" or prefills_only else cfg.prefill_slow_ratio
         flagged = ev.cusum >= cfg.evidence and ev.run >= cfg.min_samples and s > bar
         how = "class peers" if ev.peers else "own history"
         return s, flagged, f"{name} {s:.2f}x {how} (evidence {ev.cusum:.1f} over {ev.run} samples)"
@@ -202,7 +205,7 @@ class OutlierDetector(SampleIntake):
             for name, ev in (("prefill", h.prefill), ("decode", h.decode)):
                 if ev.n == 0:  # no new sample: no verdict
                     continue
-                s, flagged, why = self._flag(name, ev)
+                s, flagged, why = self._flag(name, ev, node.spec.role == "prefill")
                 if best is None:
                     best = Verdict(s, flagged, why, s)
                 else:
