@@ -4,7 +4,8 @@ Hypothesis plays a driver: several exchanges at once on a small fleet (with
 or without limits and a queue, with or without hedging), and at each step one
 event drawn from those that could happen now (a copy's first chunk, its
 failure of any origin, its finish, a timer, the client leaving, the queue's
-pump, a node going down). Whatever the order:
+pump, a node going down; on a fleet whose nodes have prefill/decode roles, a
+prefill leg's answer or failure too). Whatever the order:
 
 * every exchange ends exactly once, and its ending matches what it answered;
 * no action dispatches to a node the balancer would not route to (down,
@@ -14,6 +15,7 @@ pump, a node going down). Whatever the order:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -27,6 +29,7 @@ from tailguard.core.exchange import (
     ArmTimer,
     Cancel,
     Copy,
+    Decode,
     Dispatch,
     Exchange,
     Fail,
@@ -60,6 +63,7 @@ class Driver:
         self.owner: dict[int, Exchange] = {}  # id(copy) -> its exchange
         self.timers: list[tuple[float, Exchange]] = []
         self.answers: dict[int, list[str]] = {}  # id(exchange) -> terminal answers seen
+        self.prefilling: set[int] = set()  # id(copy) of copies in their prefill leg
 
     def apply(self, ex: Exchange, actions: tuple[Action, ...], now: float) -> None:
         for a in actions:
@@ -67,15 +71,28 @@ class Driver:
                 copy = a.copy
                 node = copy.ticket.node
                 assert node.state.routable, f"dispatched to {node.id} in state {node.state}"
-                earlier = [c.node_id for c in ex.copies if c is not copy]
-                assert copy.node_id not in earlier, f"{copy.node_id} tried twice"
+                # A node is not tried twice for what it failed (its prefill leg's node,
+                # for a copy that failed there).
+                failed = [c.prefill_node if c.at_prefill else c.node_id
+                          for c in ex.copies if c is not copy]
+                if copy.prefill_node is None:
+                    assert copy.node_id not in failed, f"{copy.node_id} tried twice"
+                else:
+                    pre = self.b.nodes[copy.prefill_node]
+                    assert pre.state.routable and pre.spec.prefills
+                    assert copy.prefill_node not in failed and node.spec.decodes
+                    self.prefilling.add(id(copy))
                 if node.limiter is not None:
                     assert node.limiter.inflight <= node.limiter.limit
                 self.live.append(copy)
                 self.owner[id(copy)] = ex
                 self.apply(ex, ex.sent(copy, now), now)
+            elif type(a) is Decode:
+                assert id(a.copy) in self.prefilling and a.copy.ticket.prefill is None
+                self.prefilling.discard(id(a.copy))
             elif type(a) is Cancel:
                 assert self.owner[id(a.copy)] is ex and a.copy.state != SENT
+                self.prefilling.discard(id(a.copy))
                 if a.copy in self.live:
                     self.live.remove(a.copy)
             elif type(a) is ArmTimer:
@@ -96,7 +113,12 @@ def setups(draw: st.DrawFn) -> tuple[Balancer, bool, int]:
     limits = LimitConfig(kind="fixed", initial=draw(st.integers(1, 3))) if limited else None
     admission = AdmissionConfig(shed_on_predicted_wait=False,
                                 queue_max=draw(st.integers(1, 4))) if limited else None
-    policy = draw(st.sampled_from(["round_robin", "tailguard", "least_request"]))
+    if draw(st.booleans()):  # disaggregated: some nodes prefill or decode only
+        roles = [draw(st.sampled_from(["both", "prefill", "decode"])) for _ in specs]
+        if all(r == "prefill" for r in roles):
+            roles[0] = "decode"
+        specs = [dataclasses.replace(sp, role=r) for sp, r in zip(specs, roles, strict=True)]
+    policy = draw(st.sampled_from(["round_robin", "tailguard", "least_request", "dynamo"]))
     b = Balancer(specs, [PoolConfig(MODEL, policy, limits=limits, admission=admission)],
                  random.Random(draw(st.integers(0, 9))))
     b.tick(0.0)
@@ -123,8 +145,13 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
         now += data.draw(st.sampled_from([0.0, 0.01, 0.1, 0.3]), label="dt")
         open_ = [ex for ex in exchanges if ex.ended is None]
         choices = ["arrive", "pump", "down", "up"]
+        decoding = [c for c in drv.live if id(c) not in drv.prefilling]
         if drv.live:
-            choices += ["first", "fail", "finish", "finish"]
+            choices.append("fail")
+        if decoding:
+            choices += ["first", "finish", "finish"]
+        if drv.prefilling:
+            choices += ["prefilled", "prefilled"]
         if drv.timers:
             choices.append("timer")
         if open_:
@@ -157,9 +184,16 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
         elif what == "gone":
             ex = data.draw(st.sampled_from(open_), label="leaving")
             drv.apply(ex, ex.client_gone(now, data.draw(st.integers(0, 5))), now)
-        else:
-            copy = data.draw(st.sampled_from(drv.live), label="copy")
+        elif what == "prefilled":
+            copy = data.draw(st.sampled_from([c for c in drv.live
+                                              if id(c) in drv.prefilling]), label="copy")
             ex = drv.owner[id(copy)]
+            drv.apply(ex, ex.prefilled(copy, now), now)
+        else:
+            copy = data.draw(st.sampled_from(drv.live if what == "fail" else decoding),
+                             label="copy")
+            ex = drv.owner[id(copy)]
+            drv.prefilling.discard(id(copy))
             if what == "first":
                 drv.apply(ex, ex.first_chunk(copy, now), now)
             elif what == "fail":

@@ -24,6 +24,16 @@ from tailguard.planner.formation import (
 )
 from tailguard.planner.inventory import Inventory, exclude, parse_inventory
 from tailguard.planner.naive import one_per_gpu, tp_across_types
+from tailguard.planner.roles import (
+    RoleChoice,
+    candidates,
+    choose_roles,
+    chosen_part,
+    is_split,
+    measure,
+    naive_splits,
+    whole_inventory,
+)
 from tailguard.planner.verify import (
     attainment_at,
     base_scenario,
@@ -57,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="with --inventory: measure the formation's SLO goodput behind "
                         "tailguard in the simulator, beside two naive formations")
+    p.add_argument("--roles", choices=["both", "auto"], default="both",
+                   help="with --inventory: auto measures prefill/decode splits of the "
+                        "formation's replicas in the simulator and keeps the best "
+                        "(docs/planner.md); both (default) serves both phases everywhere")
     p.add_argument("--fleet-out", help="with --inventory: write the fleet file here")
     p.add_argument("--exclude", help="with --inventory: GPUs to form around, HOST:INDEX[,...] "
                                      "(a straggling or failed GPU a detector event named)")
@@ -102,35 +116,89 @@ def cmd_inventory(args: argparse.Namespace) -> int:
                                                     args.budget, args.objective)
     else:
         plan = plan_formation(inv, rater, args.budget, None, args.objective)
+    tried: list[RoleChoice] = []
+    chosen: RoleChoice | None = None
+    colocated: RoleChoice | None = None
+    roles: tuple[str, ...] | None = None
+    colocated_plan = plan
+    if args.roles == "auto" and plan.replicas:
+        if args.rate or args.budget:
+            raise ConfigError("--roles", "auto plans the inventory as it is: leave out "
+                              "--rate and --budget")
+        if progress:
+            print("measuring prefill/decode splits ...", file=progress, flush=True)
+        full = whole_inventory(inv, rater)
+        colocated = RoleChoice("co-located plan", (), measured_goodput(plan, base,
+                                                                       args.attainment),
+                               plan.cost_per_hour)
+        measured["co-located plan"] = colocated.goodput_rps
+        tried = measure(full, base, candidates(full), args.attainment)
+        chosen = choose_roles(tried, colocated, args.objective)
+        if chosen is not None:
+            part, roles = chosen_part(full, chosen)
+            used = {h.name: 0 for h in inv.hosts}
+            for r in part.replicas:
+                used[r.hosts[0]] += r.rated.shape.gpus
+            plan = Formation("planned", part.replicas,
+                             {h.name: h.count - used[h.name] for h in inv.hosts
+                              if h.count > used[h.name]}, plan.skipped, plan.rated)
+            measured["planned"] = chosen.goodput_rps
     fleet = fleet_file(plan, inv, model.name, slo)
     if args.fleet_out:
         with open(args.fleet_out, "w", encoding="utf-8") as out:
             yaml.safe_dump(fleet, out, sort_keys=False)
     checks: dict[str, dict[str, float]] = {}
     if args.verify:
-        for f in (plan, one_per_gpu(inv, rater), tp_across_types(inv, rater, model)):
+        formations = [plan, one_per_gpu(inv, rater), tp_across_types(inv, rater, model)]
+        if chosen is not None:
+            formations.insert(1, replace(colocated_plan, name="co-located plan"))
+        for f in formations:
             if progress:
                 print(f"measuring {f.name} ...", file=progress, flush=True)
             g = measured.get(f.name)
+            f_roles = roles if f is plan else None
             if g is None:
-                g = measured_goodput(f, base, args.attainment)
-            checks[f.name] = {"goodput_rps": round(g, 3), "cost_per_hour": round(f.cost_per_hour, 2),
-                              "rps_per_dollar_hour": round(g / f.cost_per_hour, 4)
-                              if f.cost_per_hour > 0 else 0.0, "gpus": f.gpus,
-                              "rated_rps_per_dollar_hour": round(f.rated_ratio, 4)}
+                g = measured_goodput(f, base, args.attainment, f_roles)
+            checks[f.name] = _check(f, g)
             if args.rate:  # and how it serves the demand itself
                 checks[f.name]["attainment_at_rate"] = round(
-                    attainment_at(f, base, args.rate), 4)
+                    attainment_at(f, base, args.rate, f_roles), 4)
+        if chosen is not None and is_split(chosen):
+            # Against the best co-located choice measured, and the splits an
+            # operator would try first.
+            full = whole_inventory(inv, rater)
+            together = max((c for c in tried if not is_split(c)), key=lambda c: c.ratio)
+            checks[f"best co-located ({together.name[len('co-located: '):]})"] = _check(
+                chosen_part(full, together)[0], together.goodput_rps)
+            for split in measure(full, base, naive_splits(full), args.attainment):
+                checks[split.name] = _check(chosen_part(full, split)[0], split.goodput_rps)
     if args.format == "json":
         doc = _json(plan, inv, args, fleet, checks)
+        if tried:
+            doc["roles"] = {
+                "chosen": chosen.name if chosen is not None else "co-located plan",
+                "replicas": list(roles) if roles is not None else None,
+                "co_located_plan_goodput_rps": round(measured["co-located plan"], 3),
+                "measured": {c.name: {"goodput_rps": round(c.goodput_rps, 3),
+                                      "cost_per_hour": round(c.cost_per_hour, 2)}
+                             for c in tried}}
         if "planned" in measured:
             doc["fleet"]["measured_goodput_rps"] = round(measured["planned"], 3)
         print(json.dumps(doc, indent=1))
     elif args.format == "fleet":
         print(yaml.safe_dump(fleet, sort_keys=False), end="")
     else:
-        _table(plan, inv, args, checks, measured.get("planned"))
+        _table(plan, inv, args, checks, measured.get("planned"), roles, tried, chosen,
+               colocated)
     return 0
+
+
+def _check(f: Formation, goodput: float) -> dict[str, float]:
+    """A formation's measured goodput, cost and their ratio, as --verify reports them."""
+    return {"goodput_rps": round(goodput, 3), "cost_per_hour": round(f.cost_per_hour, 2),
+            "rps_per_dollar_hour": round(goodput / f.cost_per_hour, 4)
+            if f.cost_per_hour > 0 else 0.0, "gpus": f.gpus,
+            "rated_rps_per_dollar_hour": round(f.rated_ratio, 4)}
 
 
 def engine_flags(r: Replica, model: str) -> str:
@@ -244,7 +312,9 @@ def _json(plan: Formation, inv: Inventory, args: argparse.Namespace, fleet: dict
 
 
 def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
-           checks: dict[str, dict[str, float]], measured: float | None) -> None:
+           checks: dict[str, dict[str, float]], measured: float | None,
+           roles: tuple[str, ...] | None = None, tried: list[RoleChoice] | None = None,
+           chosen: RoleChoice | None = None, colocated: RoleChoice | None = None) -> None:
     out_tokens = args.output_tokens
     print(f"{args.model} on {sum(h.count for h in inv.hosts)} GPUs in {len(inv.hosts)} hosts; "
           f"SLO TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.attainment:.0%}; "
@@ -253,11 +323,23 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
     pool = ("8 GPUs' worth of the shape (--budget may buy more)" if args.budget else
             "as many of the shape as the inventory holds, up to 8 GPUs' worth")
     print(f"replicas (SLO capacity each: the simulator's, pooled with {pool}):")
-    for r in plan.replicas:
+    for i, r in enumerate(plan.replicas):
         s = r.rated.shape
         where = "to buy" if r.added else "on " + ",".join(r.hosts)
+        role = f"  role {roles[i]}" if roles is not None else ""
         print(f"  {s.name:<24} {where:<14} {r.rated.capacity_rps:7.2f} req/s  "
-              f"${s.cost_per_hour:6.2f}/h  {engine_flags(r, args.model)}")
+              f"${s.cost_per_hour:6.2f}/h  {engine_flags(r, args.model)}{role}")
+    if tried:
+        print("prefill/decode splits of the whole inventory (SLO goodput behind tailguard, "
+              "simulator):")
+        for choice in sorted([*tried, *([colocated] if colocated else [])],
+                             key=lambda c: -c.ratio):
+            mark = "  <- chosen" if choice is chosen else ""
+            print(f"  {choice.name:<58} {choice.goodput_rps:8.2f} req/s  "
+                  f"${choice.cost_per_hour:7.2f}/h  {choice.ratio:.3f} req/s per $/h{mark}")
+        if roles is not None:
+            print("  note: the gateway serves prefill/decode roles once it speaks vLLM's P/D; "
+                  "the fleet file is co-located until then")
     for host, n in sorted(plan.unused.items()):
         print(f"  unused: {n} GPU{'s' if n != 1 else ''} of {host}")
     for note in plan.skipped:
@@ -287,7 +369,7 @@ def _table(plan: Formation, inv: Inventory, args: argparse.Namespace,
         for name, c in checks.items():
             at = (f"; {c['attainment_at_rate']:.1%} within the SLO at {args.rate:g} req/s"
                   if "attainment_at_rate" in c else "")
-            print(f"  {name:<22} {c['goodput_rps']:8.2f} req/s  ${c['cost_per_hour']:7.2f}/h  "
+            print(f"  {name:<36} {c['goodput_rps']:8.2f} req/s  ${c['cost_per_hour']:7.2f}/h  "
                   f"{c['rps_per_dollar_hour']:.3f} req/s per $/h{at}")
         mine = checks["planned"]["rps_per_dollar_hour"]
         naive = max(c["rps_per_dollar_hour"] for n, c in checks.items() if n != "planned")

@@ -12,6 +12,7 @@ gateway's routing gets out of the whole fleet.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,30 +45,33 @@ def base_scenario(model: str, slo: Slo, catalog: Catalog, input_tokens: Any = No
     return Scenario("plan", seed, model, slo, 0.0, (), workload, (), (POLICY,), catalog)
 
 
-def formation_scenario(formation: Formation, base: Scenario) -> Scenario:
-    """``base`` with the formation's replicas as its fleet."""
+def formation_scenario(formation: Formation, base: Scenario,
+                       roles: Sequence[str] | None = None) -> Scenario:
+    """``base`` with the formation's replicas as its fleet; ``roles``: each replica's
+    (disaggregated serving, :mod:`tailguard.planner.roles`), else both."""
     catalog = Catalog(tuple(base.catalog.gpus), tuple(base.catalog.models))
-    counts: Counter[Shape] = Counter()
+    counts: Counter[tuple[Shape, str]] = Counter()
     engines = {}
-    for r in formation.replicas:
-        counts[r.rated.shape] += 1
+    for i, r in enumerate(formation.replicas):
+        counts[(r.rated.shape, roles[i] if roles is not None else "both")] += 1
         engines[r.rated.shape] = r.rated.plan.engine
         for st in r.rated.shape.stages:
             catalog.add_gpu(st.gpu)
     groups = []
-    for shape, n in sorted(counts.items(), key=lambda kv: kv[0].name):
+    for (shape, role), n in sorted(counts.items(), key=lambda kv: (kv[0][0].name, kv[0][1])):
         first = shape.stages[0]
         layout = shape.layout if shape.pipelined else None
         name = layout.name if layout is not None else first.gpu.name
-        groups.append(FleetGroup(name, n, first.tp, engines[shape], 0.0, layout))
+        groups.append(FleetGroup(name, n, first.tp, engines[shape], 0.0, layout, role))
     return replace(base, name=f"plan: {formation.name}", fleet=tuple(groups), catalog=catalog)
 
 
-def measured_goodput(formation: Formation, base: Scenario, target: float | None = None) -> float:
+def measured_goodput(formation: Formation, base: Scenario, target: float | None = None,
+                     roles: Sequence[str] | None = None) -> float:
     """SLO goodput (req/s) of the formation behind tailguard in the simulator."""
     if not formation.replicas:
         return 0.0
-    scn = formation_scenario(formation, base)
+    scn = formation_scenario(formation, base, roles)
     capacity = fleet_capacity(scn)
     bound = sum(capacity.values())
     if bound <= 0:
@@ -99,11 +103,12 @@ def plan_for_demand(inv: Inventory, rater: Rater, demand: float, base: Scenario,
     return plan, got
 
 
-def attainment_at(formation: Formation, base: Scenario, rate: float) -> float:
+def attainment_at(formation: Formation, base: Scenario, rate: float,
+                  roles: Sequence[str] | None = None) -> float:
     """SLO attainment of the formation behind tailguard at ``rate`` req/s (Poisson)."""
     if not formation.replicas:
         return 0.0
-    scn = formation_scenario(formation, base)
+    scn = formation_scenario(formation, base, roles)
     scn = replace(scn, workload=replace(scn.workload, arrival=replace(
         scn.workload.arrival, rate=rate, load=None)))
     res = run_policy(scn, POLICY, make_requests(scn, rate), fleet_capacity(scn), rate)
