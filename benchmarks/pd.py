@@ -37,6 +37,7 @@ from tailguard.sim.scenario import PolicyChoice, parse_scenario
 INVENTORIES: dict[str, list[tuple[str, int]]] = {
     "mixed": [("H100-SXM", 2), ("A100-80GB", 4), ("L40S", 4)],
     "h100-a100": [("H100-SXM", 2), ("A100-80GB", 4)],
+    "skewed": [("H100-SXM", 1), ("L40S", 3), ("A100-80GB", 4)],
 }
 FORMATIONS: dict[str, dict[str, dict[str, str]]] = {
     "mixed": {
@@ -45,6 +46,10 @@ FORMATIONS: dict[str, dict[str, dict[str, str]]] = {
         "H100+L40S prefill": {"H100-SXM": "prefill", "A100-80GB": "decode",
                               "L40S": "prefill"},
         "H100 both": {"H100-SXM": "both", "A100-80GB": "decode", "L40S": "decode"},
+    },
+    "skewed": {  # prefill nodes of very unequal speed: where pairing by hardware shows
+        "co-located": {},
+        "H100+L40S prefill": {"H100-SXM": "prefill", "L40S": "prefill", "A100-80GB": "decode"},
     },
     "h100-a100": {
         "co-located": {},

@@ -128,6 +128,7 @@ def test_long_prompts_decode_faster_on_a_split_fleet() -> None:
     assert split["slo_attainment"] >= colo["slo_attainment"] - 0.002
     pd = split["disaggregation"]
     assert pd["remote_share"] > 0.5 and set(pd["prefill_share_by_gpu"]) == {"H100-SXM"}
+    assert 0.0 < pd["prefill_leg_s"]["p50"] < split["ttft_s"]["p99"]
 
 
 def test_short_prompts_lose_nothing_where_the_prefill_nodes_also_decode() -> None:

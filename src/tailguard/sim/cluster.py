@@ -115,6 +115,7 @@ class RunRecord:
     # decode node (-1: the decode node itself), and its KV transfer's seconds.
     prefill_node: list[int] = field(default_factory=list)
     kv_s: list[float] = field(default_factory=list)
+    handoff: list[float] = field(default_factory=list)  # when its prompt was handed over
 
 
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
@@ -220,6 +221,7 @@ class ClusterSim:
         if any(p.role != "both" for p in plans):
             self.rec.prefill_node = [-1] * n
             self.rec.kv_s = [0.0] * n
+            self.rec.handoff = [-1.0] * n
         self.exchanges: list[Exchange | None] = [None] * n
         # By copy id, which is its engine request id; None once its exchange ended
         # (its later events are stale), so that ended exchanges are not kept alive.
@@ -362,6 +364,7 @@ class ClusterSim:
         if self.rec.kv_s:
             self.rec.prefill_node[rid] = p
             self.rec.kv_s[rid] = kv
+            self.rec.handoff[rid] = now
         ns = self.nodes[d]
         self.push(now + self.half_rtt + ns.delay + kv, HANDOFF, copy.io)
 

@@ -18,6 +18,7 @@ def pd_report(rec: RunRecord, warmup_s: float, gpu_of: Mapping[str, str]) -> dic
     if not rec.kv_s:
         return {}
     remote_kv: list[float] = []
+    prefill_s: list[float] = []  # arrival to hand-off: the prefill leg, its queue included
     tpot: dict[str, list[float]] = {"remote": [], "local": []}
     by_class: dict[str, int] = {}
     served = 0
@@ -29,6 +30,7 @@ def pd_report(rec: RunRecord, warmup_s: float, gpu_of: Mapping[str, str]) -> dic
         where = "remote" if p >= 0 else "local"
         if p >= 0:
             remote_kv.append(rec.kv_s[i])
+            prefill_s.append(rec.handoff[i] - a)
             cls = gpu_of[rec.node_ids[p]]
             by_class[cls] = by_class.get(cls, 0) + 1
         if rec.output[i] > 1 and rec.first[i] >= 0.0:
@@ -37,6 +39,7 @@ def pd_report(rec: RunRecord, warmup_s: float, gpu_of: Mapping[str, str]) -> dic
     return {"disaggregation": {
         "remote_share": round(len(remote_kv) / n, 4),
         "prefill_share_by_gpu": {k: round(v / n, 4) for k, v in sorted(by_class.items())},
+        "prefill_leg_s": summary(np.array(prefill_s)),
         "kv_transfer_s": summary(np.array(remote_kv)),
         "tpot_p99_s": {k: summary(np.array(v))["p99"] for k, v in tpot.items()},
     }}
