@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tailguard.config.fleet import parse_fleet
-from tailguard.core.kv_transfer import LINKS, Link
+from tailguard.core.kv_transfer import LINKS, Link, PairLink
 from tailguard.emulator.faults import parse_fault
 from tailguard.errors import ConfigError
 from tailguard.sim.scenario import parse_scenario
@@ -32,12 +32,17 @@ def test_a_scenario_gives_roles_and_links() -> None:
     assert nodes[0].kv_link == LINKS["rdma-8x400"]
     assert nodes[1].kv_link == Link(12.5, 0.002)
     assert scn.kv_link == LINKS["tcp"]
+    scn = parse_scenario(scenario(kv_pairs=[{"nodes": ["H100-SXM#0", "A100-80GB#1"],
+                                             "link": "nvlink"}]))
+    assert scn.kv_pairs == (PairLink("H100-SXM#0", "A100-80GB#1", LINKS["nvlink"]),)
 
 
 @pytest.mark.parametrize(("raw", "field", "says"), [
     (scenario(kv_link="infiniband"), "kv_link", "unknown link"),
     (scenario(fleet=[{"gpu": "H100", "role": "encode"}]), "fleet[0].role", "both"),
     (scenario(fleet=[{"gpu": "H100", "kv_link": {"gb_per_s": 0}}]), "fleet[0].kv_link", ""),
+    (scenario(kv_pairs=[{"nodes": ["H100-SXM#0", "A100-80GB#7"], "link": "tcp"}]),
+     "kv_pairs[0].nodes[1]", "unknown node"),
 ])
 def test_bad_roles_and_links_name_their_field(raw: dict[str, Any], field: str,
                                               says: str) -> None:

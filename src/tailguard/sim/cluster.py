@@ -52,7 +52,7 @@ from tailguard.core.exchange import (
 )
 from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hedging import HedgeConfig
-from tailguard.core.kv_transfer import DEFAULT_LINK, Link
+from tailguard.core.kv_transfer import DEFAULT_LINK, Link, PairLink
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import PipelinePerf
@@ -157,6 +157,7 @@ def run_cluster(
     block_tokens: int = 0,
     sessions: Sequence[int] | None = None,
     kv_link: Link = DEFAULT_LINK,
+    kv_pairs: tuple[PairLink, ...] = (),
 ) -> RunRecord:
     """Simulate one policy on one fleet for one request list; return per-request outcomes.
 
@@ -165,7 +166,7 @@ def run_cluster(
     ``sessions``: each request's session (its key for session affinity)."""
     pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
                       admission=admission, retries=retries or RetryConfig(),
-                      hedging=hedging or HedgeConfig(), kv_link=kv_link)
+                      hedging=hedging or HedgeConfig(), kv_link=kv_link, kv_pairs=kv_pairs)
     if blocks is not None:
         pool = dataclasses.replace(pool, prefix_block_tokens=block_tokens)
     balancer = Balancer(node_specs(plans, model), [pool],

@@ -93,7 +93,7 @@ def run_policy(
         outliers=scn.outliers, hedging=scn.hedging, limits=planned_limits(scn, reqs), admission=scn.admission,
         priorities=draw_priorities(wl.priorities, len(reqs), scn.seed),
         gpu_telemetry=scn.gpu_telemetry, blocks=reqs.blocks, block_tokens=reqs.block_tokens,
-        sessions=reqs.session, kv_link=scn.kv_link,
+        sessions=reqs.session, kv_link=scn.kv_link, kv_pairs=scn.kv_pairs,
     )
     if records is not None:  # the per-request arrays, for reports (sim/report.py)
         records[choice.label] = rec
@@ -181,6 +181,10 @@ def simulate(
     reqs = make_requests(scn, rate)
     offered = rate if rate is not None else len(reqs) / max(scn.workload.duration_s, 1e-9)
     warnings = []
+    if scn.workload.arrival.load is not None and any(g.role != "both" for g in scn.fleet):
+        warnings.append("the `load:` bound rates every node serving both phases; with "
+                        "prefill/decode roles it is only a scale, not the fleet's capacity "
+                        "(give `rate:`, or --find-goodput measures it)")
     zero = sorted({nid.split("#")[0] for nid, cap in capacity.items() if cap <= 0.0})
     if zero and fc.bands is None and scn.workload.arrival.load is not None:
         warnings.append(f"{', '.join(zero)}: SLO capacity 0 for this workload (too many of its "

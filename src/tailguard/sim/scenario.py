@@ -43,7 +43,7 @@ from tailguard.config.parse import retype
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
-from tailguard.core.kv_transfer import DEFAULT_LINK, Link
+from tailguard.core.kv_transfer import DEFAULT_LINK, Link, PairLink
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, PipelinePerf
@@ -122,6 +122,7 @@ class Scenario:
     # throttled GPU (or say its GPUs are healthy), as the gateway's do.
     gpu_telemetry: bool = False
     kv_link: Link = DEFAULT_LINK  # between two nodes with none of their own
+    kv_pairs: tuple[PairLink, ...] = ()  # pairs with a link of their own
 
     def nodes(self) -> list[NodePlan]:
         """The fleet expanded to nodes with ids ``GPU#i``; speeds drawn from the seed."""
@@ -209,6 +210,13 @@ def parse_policies(raw: Any, where: str = "policies") -> tuple[PolicyChoice, ...
     return tuple(_policy(item, f"{where}[{i}]") for i, item in enumerate(raw))
 
 
+class PairBlock(Block):
+    """Two nodes' own KV link (``kv_pairs``): ``{nodes: [A, B], link: nvlink}``."""
+
+    nodes: list[str] = Field(min_length=2, max_length=2)
+    link: str | LinkBlock
+
+
 class ScenarioFile(Block):
     """A whole scenario (``tailguard schema scenario`` prints its JSON Schema)."""
 
@@ -229,6 +237,7 @@ class ScenarioFile(Block):
     admission: Block | None = None
     hedging: Block = Field(default_factory=HedgingBlock)
     kv_link: str | LinkBlock | None = None  # disaggregated serving's default KV path
+    kv_pairs: list[PairBlock] = Field(default_factory=list)
 
     @field_validator("faults")
     @classmethod
@@ -247,6 +256,20 @@ class ScenarioFile(Block):
 
 retype(ScenarioFile, slo=SloBlock, outliers=OutliersBlock, limits=LimitsBlock | None,
        admission=AdmissionBlock | None, hedging=HedgingBlock)
+
+
+def _pairs(doc: ScenarioFile, planned: list[NodePlan]) -> tuple[PairLink, ...]:
+    ids = {n.id for n in planned}
+    out = []
+    for i, block in enumerate(doc.kv_pairs):
+        for j, node in enumerate(block.nodes):
+            if node not in ids:
+                raise ConfigError(f"kv_pairs[{i}].nodes[{j}]", f"unknown node {node!r}",
+                                  sorted(ids)[:40])
+        link = kv_link(block.link, f"kv_pairs[{i}].link")
+        assert link is not None
+        out.append(PairLink(block.nodes[0], block.nodes[1], link))
+    return tuple(out)
 
 
 def _faults(doc: ScenarioFile, planned: list[NodePlan]) -> tuple[FaultSpec, ...]:
@@ -284,7 +307,8 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
                         admission=doc.admission.core() if doc.admission is not None else None,
                         hedging=doc.hedging.core(), gpu_telemetry=doc.gpu_telemetry,
                         kv_link=kv_link(doc.kv_link, "kv_link") or DEFAULT_LINK)
-    return replace(scenario, faults=_faults(doc, scenario.nodes()))
+    planned = scenario.nodes()
+    return replace(scenario, faults=_faults(doc, planned), kv_pairs=_pairs(doc, planned))
 
 
 def load_scenario(path: str | Path) -> Scenario:
