@@ -212,6 +212,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                   style="bold")
     out = Console() if Console().is_terminal else Console(width=160)
     out.print(table)
+    if any(g.role != "both" for g in scn.fleet):
+        out.print("Prefill/decode roles are not rated here: every node is rated serving both "
+                  "phases (`tailguard sim --find-goodput` measures the fleet as it is).")
     allowed = 1.0 - scn.slo.attainment
     if split:
         out.print("Some nodes cannot serve the whole mix (\"missed alone\"), so the fleet is "
