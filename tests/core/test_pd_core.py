@@ -272,3 +272,15 @@ def test_a_link_is_flagged_slow_on_most_of_its_recent_hand_offs_and_recovers() -
         watch.on_hand_off("p", "d", 0.055, 0.020, 0.030, 80.0 + i)
     (ev,) = watch.tick(90.0, prices)
     assert ev.state == "recovered" and prices == {}
+
+
+def test_cache_aware_remembers_each_phase_where_it_went() -> None:
+    # vllm-router's cache_aware per phase: a repeated prefix returns to the same
+    # prefill node and the same decode node.
+    b = pd_balancer("cache_aware")
+    prefix = tuple(range(1, 40))
+    first = b.pick(MODEL, 5_000, 0.0, prefix=prefix)
+    assert first is not None and first.prefill is not None
+    again = b.pick(MODEL, 5_000, 0.1, prefix=prefix)
+    assert again is not None and again.prefill is not None
+    assert (again.node_id, again.prefill.node_id) == (first.node_id, first.prefill.node_id)

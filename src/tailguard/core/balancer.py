@@ -353,7 +353,10 @@ class Balancer:
         if pair is None:
             return None
         prefill_id, decode_id = pair
-        if pool.dispatch_hook is not None:
+        record = getattr(pool.pairs, "on_dispatch_pair", None)
+        if record is not None:  # per-phase policies that remember where requests went
+            record(prefill_id, decode_id, req)
+        elif pool.dispatch_hook is not None:
             pool.dispatch_hook(decode_id, req)
         node = self.nodes[decode_id]
         self._ticket_seq += 1

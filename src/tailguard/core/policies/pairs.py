@@ -51,6 +51,15 @@ class PerPhase:
         """Whether this request's prompt goes to the prefill side."""
         return True
 
+    def on_dispatch_pair(self, prefill_id: str | None, decode_id: str,
+                         req: RequestInfo) -> None:
+        """Each phase's policy that keeps a record of where requests went
+        (``cache_aware``'s trees) learns where its phase of this one went."""
+        for policy, node_id in ((self.decode, decode_id), (self.prefill, prefill_id)):
+            hook = getattr(policy, "on_dispatch", None)
+            if hook is not None and node_id is not None:
+                hook(node_id, req)
+
     def choose_pair(self, prefill: Sequence[NodeView], decode: Sequence[NodeView],
                     req: RequestInfo, now: float, rng: Random,
                     links: LinkMap) -> tuple[str | None, str] | None:
