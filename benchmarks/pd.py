@@ -38,8 +38,11 @@ INVENTORIES: dict[str, list[tuple[str, int]]] = {
     "mixed": [("H100-SXM", 2), ("A100-80GB", 4), ("L40S", 4)],
     "h100-a100": [("H100-SXM", 2), ("A100-80GB", 4)],
     "skewed": [("H100-SXM", 1), ("L40S", 3), ("A100-80GB", 4)],
+    "homogeneous": [("H100-SXM", 6)],
 }
-FORMATIONS: dict[str, dict[str, dict[str, str]]] = {
+# A formation gives each GPU type a role, or (homogeneous inventories) counts of it
+# to each role, as "GPU": {"prefill": n, "decode": m}.
+FORMATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "mixed": {
         "co-located": {},
         "H100 prefill": {"H100-SXM": "prefill", "A100-80GB": "decode", "L40S": "decode"},
@@ -50,6 +53,11 @@ FORMATIONS: dict[str, dict[str, dict[str, str]]] = {
     "skewed": {  # prefill nodes of very unequal speed: where pairing by hardware shows
         "co-located": {},
         "H100+L40S prefill": {"H100-SXM": "prefill", "L40S": "prefill", "A100-80GB": "decode"},
+    },
+    "homogeneous": {  # DistServe's setting: one GPU type, split by count
+        "co-located": {},
+        "2 prefill, 4 decode": {"H100-SXM": {"prefill": 2, "decode": 4}},
+        "3 prefill, 3 decode": {"H100-SXM": {"prefill": 3, "decode": 3}},
     },
     "h100-a100": {
         "co-located": {},
@@ -77,13 +85,25 @@ def scenario(inventory: str, formation: str, workload: str, rate: float, duratio
     return {
         "name": f"{formation} / {workload}", "seed": seed, "model": "llama-3.1-8b",
         "slo": wl["slo"], "network_rtt_s": 0.001,
-        "fleet": [{"gpu": g, "count": n, "role": roles.get(g, "both")}
-                  for g, n in INVENTORIES[inventory]],
+        "fleet": fleet(inventory, roles),
         "workload": {"duration_s": duration, "warmup_s": min(60.0, duration / 10),
                      "arrival": {"process": "poisson", "rate": rate},
                      "input_tokens": wl["input_tokens"], "output_tokens": wl["output_tokens"]},
-        "policies": COLOCATED if set(roles.values()) <= {"both"} else PAIRED,
+        "policies": COLOCATED if all(g["role"] == "both" for g in fleet(inventory, roles))
+        else PAIRED,
     }
+
+
+def fleet(inventory: str, roles: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scenario's fleet entries of a formation."""
+    out: list[dict[str, Any]] = []
+    for g, n in INVENTORIES[inventory]:
+        role = roles.get(g, "both")
+        if isinstance(role, dict):
+            out += [{"gpu": g, "count": k, "role": r} for r, k in role.items()]
+        else:
+            out.append({"gpu": g, "count": n, "role": role})
+    return out
 
 
 def price_per_hour(inventory: str) -> float:
