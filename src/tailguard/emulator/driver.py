@@ -151,7 +151,9 @@ class EngineDriver:
     # ------------------------------------------------------------ requests
 
     def submit(self, prompt_tokens: int, output_tokens: int, stream: bool,
-               blocks: tuple[int, ...] = ()) -> Pending:
+               blocks: tuple[int, ...] = (), *, hold_kv: bool = False,
+               remote_kv: bool = False) -> Pending:
+        """Queue a request (``hold_kv``, ``remote_kv``: :meth:`Engine.submit`'s)."""
         assert self._loop is not None, "start() the driver first"
         now = self._loop.time()
         rid = self._next_id
@@ -167,9 +169,17 @@ class EngineDriver:
             return p
         self._pending[rid] = p
         self.engine.submit(rid, prompt_tokens, output_tokens, self._now_e(), blocks,
-                           BLOCK_TOKENS if blocks else 0)
+                           BLOCK_TOKENS if blocks else 0, hold_kv=hold_kv, remote_kv=remote_kv)
         self._arm()
         return p
+
+    def release_kv(self, p: Pending) -> bool:
+        """Free the KV a finished ``hold_kv`` request holds (its decode side has it)."""
+        if self.instant:
+            return False
+        released = self.engine.release_kv(p.rid, self._now_e())
+        self._arm()
+        return released
 
     def cancel(self, p: Pending) -> None:
         """The client went away: free the request's slot and KV in the engine."""

@@ -69,6 +69,8 @@ class ParsedRequest:
     include_usage: bool
     ignore_eos: bool
     blocks: tuple[int, ...] = ()  # the prompt's hashed KV blocks, for the prefix cache
+    # vLLM's disaggregated serving (NixlConnector): the body's kv_transfer_params
+    kv_transfer: dict[str, Any] | None = None
 
 
 def _text_tokens(text: str) -> int:
@@ -144,8 +146,11 @@ def parse_request(raw: bytes, chat: bool, models: tuple[str, ...],
     opts = body.get("stream_options")
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
     ignore_eos = body.get("ignore_eos", False) is True
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise RequestError(400, "kv_transfer_params must be an object", "kv_transfer_params")
     return ParsedRequest(chat, model, prompt_tokens, max_tokens, explicit, stream, include_usage,
-                         ignore_eos, blocks)
+                         ignore_eos, blocks, kv)
 
 
 class ChunkTemplate:
@@ -209,8 +214,10 @@ def usage(prompt_tokens: int, completion_tokens: int,
 
 
 def full_response(req: ParsedRequest, tokens: int, finish_reason: str,
-                  cached_tokens: int | None = None) -> bytes:
-    """The non-streaming body of a finished request."""
+                  cached_tokens: int | None = None,
+                  kv_transfer_params: dict[str, Any] | None = None) -> bytes:
+    """The non-streaming body of a finished request (a prefill leg's with the
+    top-level ``kv_transfer_params`` its decode side needs)."""
     text = TOKEN_TEXT * tokens
     if req.chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -219,10 +226,12 @@ def full_response(req: ParsedRequest, tokens: int, finish_reason: str,
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         rid, obj = "cmpl-" + uuid.uuid4().hex, "text_completion"
-    return json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": req.model,
-                       "choices": [choice],
-                       "usage": usage(req.prompt_tokens, tokens, cached_tokens)},
-                      separators=(",", ":")).encode()
+    body: dict[str, Any] = {"id": rid, "object": obj, "created": int(time.time()),
+                            "model": req.model, "choices": [choice],
+                            "usage": usage(req.prompt_tokens, tokens, cached_tokens)}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def models_body(models: tuple[str, ...], max_model_len: int) -> bytes:

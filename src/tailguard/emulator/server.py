@@ -12,6 +12,17 @@ Each node listens on its own port and answers like a vLLM OpenAI server:
   context or the node's KV cache) is a 400, as in vLLM.
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
   :mod:`tailguard.emulator.metrics`).
+* vLLM's disaggregated prefill/decode over the OpenAI API, as its
+  NixlConnector with ``kv_role: kv_both`` speaks it to vllm-router and the
+  like: a request with ``kv_transfer_params.do_remote_decode`` computes the
+  prompt and one token, holds the KV (``KV_HOLD_S`` at most) and answers with
+  top-level ``kv_transfer_params`` (``do_remote_prefill``, ``remote_engine_id``,
+  ``remote_request_id``, ``remote_block_ids``, ``remote_host``/``port``,
+  ``tp_size``); a request that passes those on waits the transfer over the
+  KV link (:mod:`tailguard.core.kv_transfer`) and computes only the prompt's
+  last token, freeing the KV where it was. KV another process holds, or that
+  expired, is computed again locally. ``/metrics`` counts the transfers
+  (``tailguard_emulator_kv_transfers_total{direction}``).
 * ``POST /admin/faults`` (one fault object, or a list), ``GET /admin/faults``
   and ``DELETE /admin/faults`` (see :mod:`tailguard.emulator.faults`). A
   ``"node": id`` key in the body, or ``?node=id`` on DELETE/GET, addresses
@@ -52,6 +63,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tailguard.core.kv_transfer import DEFAULT_LINK, kv_transfer_s
 from tailguard.emulator.dcgm import dcgm_page
 from tailguard.emulator.driver import EngineDriver, Pending
 from tailguard.emulator.faults import FaultSpec, FaultState, combine, parse_fault
@@ -72,6 +84,8 @@ from tailguard.errors import ConfigError
 from tailguard.traffic.workload import LengthDist
 
 JSON = "application/json"
+# How long a prompt's KV waits for its decode engine before it is freed.
+KV_HOLD_S = 120.0
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -120,6 +134,7 @@ class EngineServer:
                               f"{perf.gpu.name} (no room for KV cache): raise tp or pick a "
                               "smaller catalog_model")
         self.metrics = EngineMetrics(node.models[0], node.dialect, node.engine.block_size)
+        self._block_size = node.engine.block_size
         self.driver = EngineDriver(perf, node.engine, self.metrics, time_scale=time_scale,
                                    base_speed=node.speed)
         self.metrics.source = self.driver
@@ -136,6 +151,12 @@ class EngineServer:
         self._site: web.SockSite | None = None
         self._listen_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # vLLM's P/D (NixlConnector, kv_both): prompts computed here for another
+        # engine, their KV held until it is pulled (remote_request_id -> the
+        # request, its expiry, its prompt tokens), and the transfers each way.
+        self._held: dict[str, tuple[Pending, asyncio.TimerHandle | None, int]] = {}
+        self.kv_link = DEFAULT_LINK
+        self.kv_sent = self.kv_received = self.kv_missing = 0
 
     @property
     def url(self) -> str:
@@ -187,6 +208,7 @@ class EngineServer:
             f.cancel()
         self._faults.clear()
         self._unhung.set()  # release hung handlers; they see _closing and drop
+        self._forget_held()
         self.driver.stop()
         if self._listen_task is not None:
             with suppress(Exception):
@@ -284,6 +306,7 @@ class EngineServer:
         if new.crash and not old.crash:
             self._down = True
             self.driver.crash()
+            self._forget_held()  # the crash took the held KV with it
             self._drop_connections(keep)
             self._set_listening(False)
         elif old.crash and not new.crash:
@@ -329,7 +352,14 @@ class EngineServer:
         if self.eos is not None and not req.ignore_eos:
             output = min(output, self.eos.sample(self._rng))
         finish = "length" if req.explicit_max and output == req.max_tokens else "stop"
-        p = self.driver.submit(req.prompt_tokens, output, req.stream, req.blocks)
+        kv = req.kv_transfer
+        if kv is not None and kv.get("do_remote_decode") is True:
+            return await self._prefill_for_remote(request, req)
+        remote = False
+        if kv is not None and kv.get("do_remote_prefill") is True:
+            remote = await self._pull_kv(kv)
+        p = self.driver.submit(req.prompt_tokens, output, req.stream, req.blocks,
+                               remote_kv=remote)
         try:
             if req.stream:
                 return await self._stream(request, req, p, finish)
@@ -343,6 +373,69 @@ class EngineServer:
         finally:
             if not p.done:
                 self.driver.cancel(p)
+
+    async def _prefill_for_remote(self, request: web.Request,
+                                  req: ParsedRequest) -> web.StreamResponse:
+        """A prefill leg (``do_remote_decode``): compute the prompt and one token, hold
+        the KV for the decode engine, and answer with what it needs to pull it."""
+        p = self.driver.submit(req.prompt_tokens, 1, False, req.blocks, hold_kv=True)
+        try:
+            while not p.done:
+                await p.wait()
+        finally:
+            if not p.done:
+                self.driver.cancel(p)
+        if p.failed:
+            return self._refuse(request) if self._down else _error(500, "request failed")
+        rid = f"{self.node.id}-{p.rid}"
+        assert self._loop is not None
+        expiry = self._loop.call_later(KV_HOLD_S, self._expire_kv, rid)
+        self._held[rid] = (p, expiry, req.prompt_tokens)
+        self.kv_sent += 1
+        params = {"do_remote_prefill": True, "do_remote_decode": False,
+                  "remote_block_ids": list(range(-(-req.prompt_tokens // self._block_size))),
+                  "remote_engine_id": self.node.id, "remote_request_id": rid,
+                  "remote_host": self.host, "remote_port": self.port, "tp_size": self.node.tp}
+        await self._link_delay()
+        return web.Response(body=full_response(req, 1, "length", self._cached(p), params),
+                            content_type=JSON)
+
+    def _forget_held(self) -> None:
+        for _, expiry, _ in self._held.values():
+            if expiry is not None:
+                expiry.cancel()
+        self._held.clear()
+
+    def _expire_kv(self, rid: str) -> None:
+        """No decode engine pulled the KV in time: free it (vLLM's abort timeout)."""
+        held = self._held.pop(rid, None)
+        if held is not None:
+            self.driver.release_kv(held[0])
+
+    async def _pull_kv(self, kv: dict[str, Any]) -> bool:
+        """A decode leg (``do_remote_prefill``): wait out the KV transfer from the engine
+        that computed the prompt, then free it there. False when that KV is not to be
+        had (expired, or an engine this process does not run): the prompt is then
+        computed here, as vLLM recomputes after a failed load."""
+        src_id, rid = kv.get("remote_engine_id"), kv.get("remote_request_id")
+        src = self._peers(src_id) if self._peers is not None and isinstance(src_id, str) \
+            else None
+        held = src._held.pop(rid, None) if src is not None and isinstance(rid, str) else None
+        if src is None or held is None:
+            self.kv_missing += 1
+            return False
+        p, expiry, tokens = held
+        if expiry is not None:
+            expiry.cancel()
+        try:
+            if not self.driver.instant:
+                t = kv_transfer_s(self.driver.engine.perf.model.kv_bytes_per_token, tokens,
+                                  self.kv_link)
+                await asyncio.sleep(t / self.driver.time_scale)
+        finally:
+            src.driver.release_kv(p)
+        self.kv_received += 1
+        return True
 
     def _cached(self, p: Pending) -> int | None:
         """The cached-token count to report: vLLM's, when its prefix cache is on."""
@@ -401,7 +494,16 @@ class EngineServer:
         return web.Response(text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(),
+        kv = (f"# HELP tailguard_emulator_kv_transfers_total Prompts whose KV this engine "
+              f"held for another (sent), pulled from another (received), or found gone "
+              f"and computed itself (missing).\n"
+              f"# TYPE tailguard_emulator_kv_transfers_total counter\n"
+              f'tailguard_emulator_kv_transfers_total{{direction="sent"}} {self.kv_sent}\n'
+              f'tailguard_emulator_kv_transfers_total{{direction="received"}} '
+              f"{self.kv_received}\n"
+              f'tailguard_emulator_kv_transfers_total{{direction="missing"}} '
+              f"{self.kv_missing}\n").encode()
+        return web.Response(body=self.metrics.render() + kv,
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _dcgm(self, request: web.Request) -> web.StreamResponse:
