@@ -1,5 +1,5 @@
-"""Disaggregated roles and KV links as files spell them: the simulator's scenario
-takes them, the live fleet file and the emulator refuse them by name."""
+"""Disaggregated roles and KV links as files spell them: scenarios and fleet files
+take them; kv_link faults are the simulator's alone."""
 
 from __future__ import annotations
 
@@ -51,14 +51,17 @@ def test_bad_roles_and_links_name_their_field(raw: dict[str, Any], field: str,
     assert err.value.field.startswith(field) and says in str(err.value)
 
 
-def test_live_nodes_refuse_roles_and_kv_link_faults_for_now() -> None:
+def test_fleet_file_nodes_take_roles_and_refuse_kv_link_faults() -> None:
     node = {"id": "a", "url": "http://127.0.0.1:9", "models": ["m"], "gpu": "A100"}
-    with pytest.raises(ConfigError, match="simulator only") as err:
-        parse_fleet({"nodes": [dict(node, role="decode")]})
+    fleet = parse_fleet({"nodes": [dict(node, role="decode", kv_link="tcp")]})
+    assert fleet.nodes[0].core.role == "decode"
+    assert fleet.nodes[0].core.kv_link == LINKS["tcp"]
+    with pytest.raises(ConfigError) as err:
+        parse_fleet({"nodes": [dict(node, role="encode")]})
     assert err.value.field == "nodes[0].role"
     with pytest.raises(ConfigError, match="no kv_link fault"):
         parse_fleet({"nodes": [dict(node, faults=[{"kind": "kv_link", "factor": 0.1}])]})
-    with pytest.raises(ConfigError, match="moves no KV"):
+    with pytest.raises(ConfigError, match="KV link has no fault"):
         parse_fault({"kind": "kv_link", "factor": 0.5})
     with pytest.raises(ConfigError, match="factor"):
         parse_scenario(scenario(faults=[{"node": "H100-SXM#0", "kind": "kv_link"}]))

@@ -14,8 +14,7 @@ emulated engines (a fleet node's ``faults:`` and ``POST /admin/faults``)::
 ``at_s`` (default 0) delays the start; ``duration_s`` (default: to the end)
 ends it. A scenario's fault names its ``node``; a fleet node's faults are its
 own. The simulator has no request timeouts, so it refuses ``hang``; the
-emulated engines move no KV between them (no disaggregated roles), so they
-refuse ``kv_link``.
+emulated engines do not slow their KV link, so they refuse ``kv_link``.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from pydantic import AfterValidator, Field, field_validator
 from yarl import URL
 
 from tailguard.config.catalog import CatalogBlock, extend_catalog
-from tailguard.config.core_options import ReplicaShape, SloBlock
+from tailguard.config.core_options import ReplicaShape, SloBlock, kv_link
 from tailguard.config.discovery import DiscoveryBlock
 from tailguard.config.faults import FaultBlock
 from tailguard.config.files import read_yaml
@@ -271,18 +271,11 @@ class NodeBlock(ReplicaShape):
             if f.node is not None:
                 raise ValueError("a node's faults are its own: leave out node")
             if f.kind == "kv_link":
-                raise ValueError("a live node moves no KV to another (disaggregated roles run "
-                                 "in the simulator only for now): no kv_link fault")
+                raise ValueError("the emulated engines' KV link has no fault yet: no kv_link "
+                                 "fault on a fleet node (a scenario's may have one)")
         return faults
 
     def config(self, where: str, catalog: Catalog, warnings: list[str] | None) -> NodeConfig:
-        if self.role != "both" or self.kv_link is not None:
-            # The core and the simulator route disaggregated pools; the gateway
-            # and the emulator do not speak vLLM's P/D protocol yet.
-            key = "role" if self.role != "both" else "kv_link"
-            raise ConfigError(f"{where}.{key}", "disaggregated prefill/decode runs in the "
-                              "simulator only for now (tailguard sim); a live node's role is "
-                              "both")
         layout = self.layout(catalog, where)
         if layout is None and self.gpu is None:
             raise ConfigError(f"{where}.gpu", "is required (a GPU name such as H100, A100, L4)",
@@ -297,7 +290,8 @@ class NodeBlock(ReplicaShape):
             id=str(self.id), gpu=gpu_spec, gpu_name=gpu, models=tuple(self.models),
             tp=self.tp if layout is None else layout.stages[0].tp,
             labels={k: str(v) for k, v in self.labels.items()}, weight=self.weight,
-            url=self.url, max_num_seqs=self.max_num_seqs, layout=layout)
+            url=self.url, max_num_seqs=self.max_num_seqs, layout=layout, role=self.role,
+            kv_link=kv_link(self.kv_link, f"{where}.kv_link"))
         return NodeConfig(spec, engine=self.engine, api_key_env=self.api_key_env,
                           dcgm_url=self.dcgm_url, faults=tuple(f.core() for f in self.faults),
                           emulator=self.emulator.core())

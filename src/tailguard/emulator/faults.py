@@ -27,8 +27,8 @@ def parse_fault(raw: object, where: str = "fault") -> FaultSpec:
     """One fault object; errors name the field (``nodes[2].faults[0].factor``)."""
     fault: FaultSpec = parse(FaultBlock, raw, where).core()
     if fault.kind == "kv_link":
-        raise ConfigError(f"{where}.kind", "an emulated engine moves no KV to another "
-                          "(disaggregated roles run in the simulator only for now)")
+        raise ConfigError(f"{where}.kind", "an emulated engine's KV link has no fault yet "
+                          "(a scenario's kv_link fault is the simulator's)")
     return fault
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -103,6 +104,12 @@ class Call:
     t0: float  # monotonic arrival
 
 
+# vLLM's prefill leg asks for the KV to be kept for a remote decode (facts.md).
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False,
+                 "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                 "remote_port": None}
+
+
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -160,7 +167,7 @@ class Forwarder:
                             run = a  # one copy at a time: awaited right here
                         else:
                             race = race or Race()
-                            race.start(a.copy, self._try(call, a.copy, a.within_s))
+                            race.start(a.copy, self._try(call, a.copy, a.within_s, ex))
                         todo.extend(ex.sent(a.copy, time.monotonic()))
                     elif type(a) is ArmTimer:
                         race = race or Race()
@@ -179,7 +186,7 @@ class Forwarder:
                     actions = await self.gate.wait(ex)
                     continue
                 if run is not None:
-                    copy, result = run.copy, await self._try(call, run.copy, run.within_s)
+                    copy, result = run.copy, await self._try(call, run.copy, run.within_s, ex)
                 else:
                     assert race is not None, "the exchange left nothing to wait for"
                     got = await race.next()
@@ -218,13 +225,58 @@ class Forwarder:
 
     # -- one copy on one node, to its first chunk --------------------------------
 
-    async def _try(self, call: Call, copy: Copy, within_s: float | None = None
-                   ) -> Failure | Answer:
+    async def _try(self, call: Call, copy: Copy, within_s: float | None = None,
+                   ex: Exchange | None = None) -> Failure | Answer:
         """POST to the copy's node: its answer with the first chunk read, or its failure.
-        ``within_s``: the attempt's own bound (the exchange's, for a non-streamed one)."""
-        node = self.fleet.nodes.get(copy.node_id)
+        ``within_s``: the attempt's own bound (the exchange's, for a non-streamed one).
+        A copy with a prefill node runs its prefill leg there first (:meth:`_prefill`)."""
+        body = call.body
+        if copy.prefill_node is not None and ex is not None:
+            leg = await self._prefill(ex, call, copy)
+            if isinstance(leg, Failure):
+                return leg
+            body = leg
+        return await self._send(call, copy.node_id, body, call.req.stream, within_s)
+
+    async def _prefill(self, ex: Exchange, call: Call, copy: Copy) -> Failure | bytes:
+        """vLLM's P/D prefill leg, as vllm-router sends it: the client's body, not
+        streamed, one token, asking the engine to keep the KV for a remote decode.
+        Its answer's ``kv_transfer_params`` go to the decode node with the client's
+        body (without them the decode node computes the prompt itself)."""
+        doc = json.loads(call.body)  # the client's body, parsed once more for this leg
+        leg = {k: v for k, v in doc.items() if k != "stream_options"}
+        leg.update(stream=False, max_tokens=1, min_tokens=1, kv_transfer_params=REMOTE_DECODE)
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        assert copy.prefill_node is not None
+        got = await self._send(call, copy.prefill_node, json.dumps(leg).encode(), False,
+                               call.settings.timeouts.first_byte_s)
+        if isinstance(got, Failure):
+            return got
+        resp, payload = got
+        resp.release()
+        if resp.status >= 400:  # the engine refused it: the request's doing, not the node's
+            return Failure(Outcome.UPSTREAM_5XX, 502, f"prefill node {copy.prefill_node} "
+                           f"answered {resp.status}: {_snippet(payload)}", "upstream_error",
+                           judged=False)
+        if not ex.prefilled(copy, time.monotonic()):
+            return Failure(Outcome.CLIENT_CANCELLED, 499, "the request ended during its "
+                           "prefill leg", "client_closed", cut=True)
+        try:
+            params = json.loads(payload).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if isinstance(params, dict):
+            doc["kv_transfer_params"] = params
+        return json.dumps(doc).encode()
+
+    async def _send(self, call: Call, node_id: str, body: bytes, stream: bool,
+                    within_s: float | None) -> Failure | Answer:
+        """POST ``body`` to ``node_id``: its answer with the first chunk read, or its
+        failure, classified by origin."""
+        node = self.fleet.nodes.get(node_id)
         if node is None:  # cannot happen: the fleet adds and removes nodes in both at once
-            return Failure(Outcome.CONNECT_FAILURE, 502, f"node {copy.node_id} left the fleet",
+            return Failure(Outcome.CONNECT_FAILURE, 502, f"node {node_id} left the fleet",
                            "upstream_error")
         headers = call.headers
         key = node.upstream_api_key()
@@ -232,7 +284,6 @@ class Forwarder:
             headers = headers.copy()
             headers["Authorization"] = f"Bearer {key}"
         to = call.settings.timeouts
-        stream = call.req.stream
         first_deadline = call.deadline
         own = to.first_byte_s if stream else within_s
         if own is not None:
@@ -242,7 +293,7 @@ class Forwarder:
         nid = node.id
         try:
             async with asyncio.timeout_at(first_deadline):
-                resp = await upstream.post(node.url + PATHS[call.endpoint], headers, call.body,
+                resp = await upstream.post(node.url + PATHS[call.endpoint], headers, body,
                                            to.connect_s)
                 try:
                     payload = await (resp.readany() if resp.streamed else resp.read())
