@@ -1,0 +1,139 @@
+"""Live P/D on emulated engines: tailguard's gateway against vllm-router's P/D mode.
+
+One heterogeneous P/D fleet of emulated engines (prefill: 1 H100 and 2 L40S;
+decode: 3 A100; Llama-3.1-8B timings), fresh for every run, and one open-loop
+long-prompt workload (lognormal prompts, mean about 6k tokens; 64-token
+answers, ignore_eos) from ``tailguard bench``'s load generator, sent to:
+
+* ``tailguard serve`` with the nodes' roles in its fleet file (the ``tailguard``
+  policy: pairs by predicted finish);
+* ``vllm-router --vllm-pd-disaggregation`` (a dev dependency) with
+  ``round_robin`` and with ``cache_aware``, pointed at the same engines.
+
+It prints each run's SLO attainment, TTFT and TPOT p99, errors, and the
+engines' KV transfer counts. Nothing is asserted.
+
+    python benchmarks/pd_live.py [--rate 3] [--duration 60] [--speed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tailguard.bench.loadgen import BenchConfig, LoadGenerator
+from tailguard.bench.summary import summarize
+from tailguard.config.fleet import parse_fleet
+from tailguard.core.policies import Slo
+from tailguard.emulator import EmulatedNode, Emulator, run_emulator
+from tailguard.gateway.app import run_gateway
+from tailguard.traffic.lengths import parse_length_dist
+
+MODEL = "llama-3.1-8b"
+FLEET = [("p-h100", "H100-SXM", "prefill"), ("p-l40s-0", "L40S", "prefill"),
+         ("p-l40s-1", "L40S", "prefill"), ("d-a100-0", "A100-80GB", "decode"),
+         ("d-a100-1", "A100-80GB", "decode"), ("d-a100-2", "A100-80GB", "decode")]
+INPUT = {"dist": "lognormal", "mu": 8.5, "sigma": 0.6, "min": 256, "max": 24000}
+OUTPUT = {"dist": "fixed", "value": 64}
+SLO = Slo(3.0, 0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def load(url: str, rate: float, duration: float, speed: float) -> dict[str, Any]:
+    slo = Slo(SLO.ttft_s / speed, SLO.tpot_s / speed)
+    gen = LoadGenerator(BenchConfig(
+        url, model=MODEL, rate=rate * speed, duration_s=duration,
+        input_tokens=parse_length_dist(INPUT, "input_tokens", "input_tokens"),
+        output_tokens=parse_length_dist(OUTPUT, "output_tokens", "output_tokens"),
+        slo=slo, ignore_eos=True, drain_s=60.0, seed=1))
+    await gen.run()
+    return summarize(gen.records, gen.cfg, gen.elapsed_s)
+
+
+async def router_up(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("vllm-router did not come up")
+
+
+def transfers(emu: Emulator) -> str:
+    s = emu.servers.values()
+    return (f"KV sent {sum(x.kv_sent for x in s)}, received {sum(x.kv_received for x in s)}, "
+            f"recomputed {sum(x.kv_missing for x in s)}")
+
+
+async def one(target: str, rate: float, duration: float, speed: float) -> str:
+    nodes = [EmulatedNode(nid, gpu, (MODEL,)) for nid, gpu, _ in FLEET]
+    async with run_emulator(nodes, speed=speed) as emu:
+        if target == "tailguard":
+            cfg = parse_fleet({
+                "listen": "127.0.0.1:0",
+                "nodes": [{"id": nid, "url": emu.urls[nid], "gpu": gpu, "models": [MODEL],
+                           "role": role} for nid, gpu, role in FLEET],
+                "pools": {MODEL: {"policy": "tailguard",
+                                  "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}}}})
+            async with run_gateway(cfg) as gw:
+                r = await load(gw.url, rate, duration, speed)
+        else:
+            binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+            if binary is None:
+                return f"{target}: vllm-router is not installed"
+            port = free_port()
+            cmd = [binary, "--host", "127.0.0.1", "--port", str(port),
+                   "--vllm-pd-disaggregation", "--policy", target.split(":")[1],
+                   "--log-level", "error"]
+            for nid, _, role in FLEET:
+                cmd += ["--prefill", emu.urls[nid], "none"] if role == "prefill" \
+                    else ["--decode", emu.urls[nid]]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                await router_up(url)
+                r = await load(url, rate, duration, speed)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+        return (f"{target:26s} attainment {r['slo_attainment']:.4f}  TTFT p99 "
+                f"{r['ttft_s']['p99'] * speed:6.2f} s  TPOT p99 {r['tpot_s']['p99'] * speed:.4f} s"
+                f"  errors {r['errors']}  requests {r['requests']}  ({transfers(emu)})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=3.0, help="req/s at the engines' own speed")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    ap.add_argument("--speed", type=float, default=1.0,
+                    help="emulated engines this many times faster (rates and SLOs follow)")
+    args = ap.parse_args()
+    print(f"P/D fleet: {', '.join(f'{n} ({r})' for n, _, r in FLEET)}; "
+          f"{args.rate} req/s for {args.duration:g} s; SLO TTFT {SLO.ttft_s} s, "
+          f"TPOT {SLO.tpot_s} s (in engine time)")
+    for target in ("tailguard", "vllm-router:round_robin", "vllm-router:cache_aware"):
+        print(asyncio.run(one(target, args.rate, args.duration / args.speed, args.speed)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
