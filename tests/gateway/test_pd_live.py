@@ -7,9 +7,11 @@ nothing; every permit ends once."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import openai
 
 from tailguard.config.fleet import parse_fleet
@@ -32,6 +34,7 @@ ROLES = {"pre0": ("H100-SXM", "prefill"), "pre1": ("H100-SXM", "prefill"),
 
 @asynccontextmanager
 async def pd_fleet(policy: str = "tailguard") -> AsyncIterator[tuple[RunningGateway, Emulator]]:
+    os.environ["TG_TEST_PD_TOKEN"] = "tok"
     nodes = [EmulatedNode(nid, gpu, models=(MODEL,)) for nid, (gpu, _) in ROLES.items()]
     async with run_emulator(nodes, speed=10.0) as emu:
         cfg = parse_fleet({
@@ -39,6 +42,7 @@ async def pd_fleet(policy: str = "tailguard") -> AsyncIterator[tuple[RunningGate
             "nodes": [{"id": nid, "url": emu.urls[nid], "gpu": gpu, "models": [MODEL],
                        "role": role} for nid, (gpu, role) in ROLES.items()],
             "pools": {MODEL: {"policy": policy}},
+            "admin": {"token_env": "TG_TEST_PD_TOKEN"},
         })
         async with run_gateway(cfg) as gw:
             yield gw, emu
@@ -91,6 +95,12 @@ def test_long_prompts_go_through_both_legs_and_short_ones_stay() -> None:
             assert gw.fleet.balancer.double_release == 0
             for server in emu.servers.values():
                 assert server.driver.engine.num_held == 0
+            async with aiohttp.ClientSession() as s, \
+                    s.get(gw.url + "/admin/nodes", headers={"Authorization": "Bearer tok"}) as r:
+                assert r.status == 200, await r.text()
+                doc = await r.json()
+            nodes = doc["nodes"]
+            assert {n["id"]: n["role"] for n in nodes} == {k: v[1] for k, v in ROLES.items()}
 
     asyncio.run(asyncio.wait_for(body(), 60))
 
@@ -109,5 +119,29 @@ def test_a_dead_prefill_node_costs_the_client_nothing() -> None:
             assert gw.fleet.in_flight() == 0
             assert gw.fleet.balancer.double_release == 0
             assert emu.server("pre0").kv_sent == 0
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_dead_decode_node_and_a_refused_prompt() -> None:
+    async def body() -> None:
+        async with pd_fleet() as (gw, emu):
+            emu.server("dec0").inject(parse_fault({"kind": "crash", "duration_s": 60}))
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            try:
+                got = await asyncio.gather(*(ask(client, long(i), stream=True)
+                                             for i in range(4)))
+                assert got == [8] * 4  # the decode leg retried on the other decode node
+                # A prompt no engine can hold: the prefill engine's own 400, passed on.
+                too_long = [{"role": "user", "content": "x " * 600_000}]
+                try:
+                    await ask(client, too_long, stream=True)
+                    raise AssertionError("a prompt over the context length was served")
+                except openai.BadRequestError as exc:
+                    assert "context length" in str(exc)
+            finally:
+                await client.close()
+            assert gw.fleet.in_flight() == 0
+            assert gw.fleet.balancer.double_release == 0
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -200,6 +200,7 @@ class AdminApi:
             "gpu_class": node.spec.gpu_class,
             "gpu_known": node.spec.gpu is not None,
             "tp": node.spec.tp,
+            "role": node.spec.role,  # prefill, decode or both (disaggregated serving)
             "models": list(node.spec.models),
             "labels": dict(node.spec.labels),
             "state": node.state.value,

@@ -233,12 +233,12 @@ class Forwarder:
         body = call.body
         if copy.prefill_node is not None and ex is not None:
             leg = await self._prefill(ex, call, copy)
-            if isinstance(leg, Failure):
+            if not isinstance(leg, bytes):  # its failure, or the engine's own 4xx answer
                 return leg
             body = leg
         return await self._send(call, copy.node_id, body, call.req.stream, within_s)
 
-    async def _prefill(self, ex: Exchange, call: Call, copy: Copy) -> Failure | bytes:
+    async def _prefill(self, ex: Exchange, call: Call, copy: Copy) -> Failure | Answer | bytes:
         """vLLM's P/D prefill leg, as vllm-router sends it: the client's body, not
         streamed, one token, asking the engine to keep the KV for a remote decode.
         Its answer's ``kv_transfer_params`` go to the decode node with the client's
@@ -254,11 +254,9 @@ class Forwarder:
         if isinstance(got, Failure):
             return got
         resp, payload = got
+        if resp.status >= 400:  # the engine refused the request itself: the client's answer
+            return got
         resp.release()
-        if resp.status >= 400:  # the engine refused it: the request's doing, not the node's
-            return Failure(Outcome.UPSTREAM_5XX, 502, f"prefill node {copy.prefill_node} "
-                           f"answered {resp.status}: {_snippet(payload)}", "upstream_error",
-                           judged=False)
         if not ex.prefilled(copy, time.monotonic()):
             return Failure(Outcome.CLIENT_CANCELLED, 499, "the request ended during its "
                            "prefill leg", "client_closed", cut=True)
