@@ -14,6 +14,7 @@ It prints each run's SLO attainment, TTFT and TPOT p99, errors, and the
 engines' KV transfer counts. Nothing is asserted.
 
     python benchmarks/pd_live.py [--rate 3] [--duration 60] [--speed 1]
+    python benchmarks/pd_live.py --overhead 500    # the gateway's TTFT cost over both legs
 """
 
 from __future__ import annotations
@@ -119,6 +120,56 @@ async def one(target: str, rate: float, duration: float, speed: float) -> str:
                 f"  errors {r['errors']}  requests {r['requests']}  ({transfers(emu)})")
 
 
+async def overhead(n: int) -> str:
+    """Zero-delay engines: TTFT p50 of the two legs sent straight to the engines
+    (the prefill leg, then the decode leg with its kv_transfer_params, as a router
+    does) against the same request through tailguard's gateway."""
+    import time
+
+    nodes = [EmulatedNode("pre", "H100-SXM", (MODEL,)), EmulatedNode("dec", "A100-80GB", (MODEL,))]
+    def request(i: int) -> dict[str, Any]:  # no prefix shared: none is cached anywhere
+        return {"model": MODEL, "max_tokens": 4, "stream": True,
+                "messages": [{"role": "user", "content": f"{i} " + "tell me " * 2000}]}
+
+    remote_decode = {"do_remote_decode": True, "do_remote_prefill": False,
+                     "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                     "remote_port": None}
+
+    async def first_byte(s: aiohttp.ClientSession, url: str, doc: dict[str, Any]) -> None:
+        async with s.post(url + "/v1/chat/completions", json=doc) as r:
+            await r.content.readany()
+            await r.read()
+
+    async with run_emulator(nodes, speed=float("inf")) as emu:
+        cfg = parse_fleet({"listen": "127.0.0.1:0", "nodes": [
+            {"id": "pre", "url": emu.urls["pre"], "gpu": "H100-SXM", "models": [MODEL],
+             "role": "prefill"},
+            {"id": "dec", "url": emu.urls["dec"], "gpu": "A100-80GB", "models": [MODEL],
+             "role": "decode"}], "pools": {MODEL: {"policy": "tailguard"}}})
+        direct: list[float] = []
+        via: list[float] = []
+        async with run_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            for i in range(n):
+                body = request(2 * i)
+                leg = dict(body, stream=False, max_tokens=1, min_tokens=1,
+                           kv_transfer_params=remote_decode)
+                t = time.perf_counter()
+                async with s.post(emu.urls["pre"] + "/v1/chat/completions", json=leg) as r:
+                    params = (await r.json())["kv_transfer_params"]
+                await first_byte(s, emu.urls["dec"], dict(body, kv_transfer_params=params))
+                direct.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await first_byte(s, gw.url, request(2 * i + 1))
+                via.append(time.perf_counter() - t)
+        remote = emu.servers["dec"].kv_received - n  # the gateway's that went both legs
+    direct.sort()
+    via.sort()
+    d, v = direct[n // 2] * 1e3, via[n // 2] * 1e3
+    return (f"zero-delay engines, {n} requests each: the two legs straight to the engines "
+            f"{d:.2f} ms p50, through tailguard {v:.2f} ms p50: the gateway adds {v - d:.2f} ms "
+            f"({remote} of its {n} requests went through both legs)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +177,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     ap.add_argument("--speed", type=float, default=1.0,
                     help="emulated engines this many times faster (rates and SLOs follow)")
+    ap.add_argument("--overhead", type=int, default=0, metavar="N",
+                    help="instead: the gateway's own TTFT cost over the two legs, N requests")
     args = ap.parse_args()
+    if args.overhead:
+        print(asyncio.run(overhead(args.overhead)))
+        return
     print(f"P/D fleet: {', '.join(f'{n} ({r})' for n, _, r in FLEET)}; "
           f"{args.rate} req/s for {args.duration:g} s; SLO TTFT {SLO.ttft_s} s, "
           f"TPOT {SLO.tpot_s} s (in engine time)")
