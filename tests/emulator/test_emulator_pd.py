@@ -94,6 +94,13 @@ def test_kv_that_is_gone_is_computed_again_locally() -> None:
             async with s.post(emu.urls["dec"] + "/v1/completions", json=bad) as r:
                 assert r.status == 400
                 assert "kv_transfer_params" in (await r.json())["error"]["message"]
+            # SGLang's P/D request (the same body to both sides, a bootstrap room): refused.
+            sglang = {"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                      "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998,
+                      "bootstrap_room": 12345}
+            async with s.post(emu.urls["dec"] + "/v1/completions", json=sglang) as r:
+                assert r.status == 400
+                assert "SGLang" in (await r.json())["error"]["message"]
         assert emu.server("dec").kv_missing == 1
 
     run(body)

@@ -415,7 +415,7 @@ def test_metrics_parse_and_name_their_units() -> None:
             for fam in families.values():
                 for sample in fam.samples:
                     assert set(sample.labels) <= {"pool", "node", "gpu", "code", "origin",
-                                                  "state", "kind", "result", "le"}
+                                                  "state", "kind", "result", "le", "role"}
 
     asyncio.run(body())
 

@@ -101,6 +101,9 @@ def test_long_prompts_go_through_both_legs_and_short_ones_stay() -> None:
                 doc = await r.json()
             nodes = doc["nodes"]
             assert {n["id"]: n["role"] for n in nodes} == {k: v[1] for k, v in ROLES.items()}
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+            assert 'tailguard_node_role{gpu="H100-SXM",node="pre0",role="prefill"} 1.0' in text
 
     asyncio.run(asyncio.wait_for(body(), 60))
 

@@ -39,6 +39,7 @@ tailguard_node_prefill_slowdown_ratio              gauge      node, gpu
 tailguard_node_ttft_estimate_seconds               gauge      node, gpu
 tailguard_node_tpot_estimate_seconds               gauge      node, gpu
 tailguard_node_state                               gauge      node, gpu, state (1 = current)
+tailguard_node_role                                gauge      node, gpu, role (prefill, decode, both)
 tailguard_node_up                                  gauge      node, gpu (health checks)
 tailguard_node_engine_running_requests             gauge      node, gpu (fresh data only)
 tailguard_node_engine_waiting_requests             gauge      node, gpu (fresh data only)
@@ -267,6 +268,8 @@ class FleetCollector:
         ttft = gauge("tailguard_node_ttft_estimate_seconds", "EWMA of measured time to first token")
         tpot = gauge("tailguard_node_tpot_estimate_seconds", "EWMA of measured time per output token")
         state = gauge("tailguard_node_state", "Node state (1 for the current one)", ["state"])
+        role = gauge("tailguard_node_role", "The node's role in disaggregated serving (1 for "
+                     "its own: prefill, decode or both)", ["role"])
         up = gauge("tailguard_node_up", "1 while the node passes its health checks")
         running = gauge("tailguard_node_engine_running_requests",
                         "Requests the engine reports running (fresh data only)")
@@ -308,6 +311,7 @@ class FleetCollector:
             capacity.add_metric(lv, node.capacity_tokens_per_s)
             for s in NodeState:
                 state.add_metric([*lv, s.value], 1.0 if node.state is s else 0.0)
+            role.add_metric([*lv, node.spec.role], 1.0)
             mon = fleet.monitors.get(node.id)
             if mon is None:
                 continue
@@ -321,7 +325,7 @@ class FleetCollector:
                 waiting.add_metric(lv, mon.sample.waiting)
                 if mon.sample.kv_usage >= 0:
                     kv.add_metric(lv, mon.sample.kv_usage)
-        return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, up, running,
+        return [in_flight, slots, capacity, decode, prefill, ttft, tpot, state, role, up, running,
                 waiting, kv, age, stale, limit, slowness, stalls, stalled, *self._classes(nodes),
                 *self._pools(snap), *self._shared(nodes)]
 

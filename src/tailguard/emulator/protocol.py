@@ -146,6 +146,10 @@ def parse_request(raw: bytes, chat: bool, models: tuple[str, ...],
     opts = body.get("stream_options")
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
     ignore_eos = body.get("ignore_eos", False) is True
+    if "bootstrap_room" in body or "bootstrap_host" in body:
+        raise RequestError(400, "SGLang's disaggregated serving (bootstrap_host, "
+                           "bootstrap_room) is not emulated: send vLLM's kv_transfer_params",
+                           "bootstrap_room")
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise RequestError(400, "kv_transfer_params must be an object", "kv_transfer_params")
