@@ -125,9 +125,7 @@ class Balancer:
         if self.recorder is not None:
             self.recorder({"op": "add_pool", "config": pool_to_dict(config)})
         pool = Pool(config, policy, make_pair_policy(config.policy, policy, config.slo,
-                                                     config.policy_options))
-        pool.link_slowness = self.link_prices  # one measure of each pair for every pool
-        pool.invalidate()
+                                                     config.policy_options), self.link_prices)
         self.pools[config.name] = pool
         return pool
 

@@ -158,8 +158,8 @@ class Pool:
                  "limited", "link_slowness", "links", "mean_output", "mean_prompt", "name", "nodes", "pairs",
                  "policy", "prefix", "queue")
 
-    def __init__(self, config: PoolConfig, policy: Policy,
-                 pairs: PairPolicy | None = None) -> None:
+    def __init__(self, config: PoolConfig, policy: Policy, pairs: PairPolicy | None = None,
+                 link_slowness: dict[tuple[str, str], float] | None = None) -> None:
         self.config = config
         self.name = config.name
         self.policy = policy
@@ -167,8 +167,8 @@ class Pool:
         self.nodes: list[Node] = []
         self._eligible: list[Node] | None = None
         self.disaggregated = False
-        # Pairs found slow (core/outliers/links.py): the balancer shares its dict.
-        self.link_slowness: dict[tuple[str, str], float] = {}
+        # Pairs found slow (core/outliers/links.py): one dict, the balancer's, for every pool.
+        self.link_slowness = link_slowness if link_slowness is not None else {}
         self.links = LinkMap.of(config.kv_link, {}, config.kv_pairs, self.link_slowness)
         # Running means of prompt and answer lengths (answers are only known at
         # the end, so the policy uses the pool's mean as the expected length).
