@@ -48,7 +48,7 @@ from tailguard.sim.scenario import Scenario
 
 # A split must beat co-located serving by this much to be chosen.
 TIE = 1.03
-# Subsets of at most this many types are formed (2^4 - 1 subsets, 32 candidates).
+# Subsets of at most this many types are formed (15 subsets, 49 candidates).
 MAX_TYPES = 4
 
 NONE = "none"  # a replica left out of the formation
