@@ -22,6 +22,7 @@ from tailguard.core.exchange import (
     Exchange,
     Fail,
     Failure,
+    Migrate,
     Phase,
     Queue,
     Refuse,
@@ -415,7 +416,10 @@ def test_the_core_classifies_how_a_stream_ended(settled: list[Balancer]) -> None
     errored.first_chunk(copies[1], 0.5)
     end = errored.stream_ended(copies[1], 1.0, tokens=4, engine_error=True)
     assert end.failure is not None and not end.failure.judged and end.error == "engine_error"
-    assert errored.ended == "failed"  # committed: no retry
+    # committed: no retry; the answer so far continues on another node
+    (moved,) = end.actions
+    assert type(moved) is Migrate and moved.after == 4 and errored.phase is Phase.MOVING
+    errored.client_gone(1.1)
     end = empty.stream_ended(copies[2], 1.0, tokens=0, data=False, final=True)
     assert end.failure is not None and end.failure.status == 502 and empty.ended == "failed"
     # An unjudged failure is charged to nobody without a second opinion.

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.exchange import (
+    COMMITTED,
     SENT,
     Action,
     ArmTimer,
@@ -34,6 +35,8 @@ from tailguard.core.exchange import (
     Exchange,
     Fail,
     Failure,
+    Migrate,
+    Phase,
     Queue,
     Refuse,
     Request,
@@ -87,6 +90,16 @@ class Driver:
                 self.live.append(copy)
                 self.owner[id(copy)] = ex
                 self.apply(ex, ex.sent(copy, now), now)
+            elif type(a) is Migrate:  # a continuation: never to a node tried before
+                copy = a.copy
+                assert copy.ticket.node.state.routable and copy.after == a.after
+                assert copy.node_id not in [c.prefill_node if c.at_prefill else c.node_id
+                                            for c in ex.copies if c is not copy]
+                assert ex.phase is Phase.MOVING
+                if copy.prefill_node is not None:
+                    self.prefilling.add(id(copy))
+                self.live.append(copy)
+                self.owner[id(copy)] = ex
             elif type(a) is Decode:
                 assert id(a.copy) in self.prefilling and a.copy.ticket.prefill is None
                 self.prefilling.discard(id(a.copy))
@@ -156,6 +169,9 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
             choices.append("timer")
         if open_:
             choices.append("gone")
+        streams = [c for c in drv.live if c.state == COMMITTED]
+        if streams:
+            choices += ["stall", "resume"]
         what = data.draw(st.sampled_from(choices), label="event")
         if what == "arrive":
             stream = data.draw(st.booleans(), label="stream")
@@ -184,6 +200,14 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
         elif what == "gone":
             ex = data.draw(st.sampled_from(open_), label="leaving")
             drv.apply(ex, ex.client_gone(now, data.draw(st.integers(0, 5))), now)
+        elif what in ("stall", "resume"):
+            copy = data.draw(st.sampled_from(streams), label="stream")
+            ex = drv.owner[id(copy)]
+            if what == "stall":
+                drv.apply(ex, ex.review(copy, now, data.draw(st.integers(0, 80)),
+                                        data.draw(st.sampled_from([0.0, 0.5, 30.0]))), now)
+            else:
+                drv.apply(ex, ex.resumed(copy, now), now)
         elif what == "prefilled":
             copy = data.draw(st.sampled_from([c for c in drv.live
                                               if id(c) in drv.prefilling]), label="copy")

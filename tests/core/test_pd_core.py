@@ -19,6 +19,7 @@ from tailguard.core.exchange import (
     Exchange,
     Fail,
     Failure,
+    Migrate,
     Phase,
     Request,
 )
@@ -26,6 +27,7 @@ from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.kv_transfer import Link
 from tailguard.core.limits import LimitConfig
+from tailguard.core.migration import MigrationConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import RequestInfo, Slo, make_policy
 from tailguard.core.policies.pairs import DynamoConditional
@@ -41,13 +43,16 @@ def spec(node_id: str, gpu: str, role: str) -> NodeSpec:
 
 
 def pd_balancer(policy: str = "tailguard", *, limits: bool = False,
-                recorder: Any = None, link: Link | None = None) -> Balancer:
+                recorder: Any = None, link: Link | None = None,
+                migration: bool = True) -> Balancer:
     specs = [spec("p0", "H100", "prefill"), spec("p1", "H100", "prefill"),
              spec("d0", "A100", "decode"), spec("d1", "A100", "decode")]
+    moves = MigrationConfig(enabled=migration)
     pool = PoolConfig(MODEL, policy, slo=Slo(5.0, 0.1),
-                      limits=LimitConfig(kind="fixed", initial=8) if limits else None)
+                      limits=LimitConfig(kind="fixed", initial=8) if limits else None,
+                      migration=moves)
     if link is not None:
-        pool = PoolConfig(MODEL, policy, slo=Slo(5.0, 0.1), kv_link=link)
+        pool = PoolConfig(MODEL, policy, slo=Slo(5.0, 0.1), kv_link=link, migration=moves)
     b = Balancer(specs, [pool], random.Random(0), recorder=recorder,
                  outliers=OutlierConfig())
     b.tick(0.0)
@@ -152,6 +157,17 @@ def test_a_client_leaving_during_the_prefill_leg_cancels_both_legs() -> None:
 
 def test_a_decode_leg_failure_after_the_hand_off_is_the_decode_nodes() -> None:
     b = pd_balancer()
+    ex = Exchange(b, Request(MODEL, 12_000))
+    (d,) = ex.arrive(0.0)
+    assert isinstance(d, Dispatch)
+    ex.prefilled(d.copy, 0.8)
+    ex.first_chunk(d.copy, 0.9)
+    # the stream moves: a continuation to a decode node other than the one that failed
+    (m,) = ex.failed(d.copy, 3.0, CONNECT, output_tokens=40)
+    assert isinstance(m, Migrate) and m.after == 40 and m.copy.node_id != d.copy.node_id
+    ex.client_gone(3.1)
+    # without migration, the committed failure ends the stream, named after the decode node
+    b = pd_balancer(migration=False)
     ex = Exchange(b, Request(MODEL, 12_000))
     (d,) = ex.arrive(0.0)
     assert isinstance(d, Dispatch)

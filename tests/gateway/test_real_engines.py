@@ -17,8 +17,8 @@ prompts they must compute (fresh text each time). Then:
    below: SIGSTOP for 2/3 of every 0.6 s): it is degraded or quarantined
    within 20 s, its share of requests falls at least 3x, and once it runs
    freely again it is healthy again; the other two stay healthy throughout;
-3. one engine is killed with ``kill -9`` mid-stream: that stream ends with an
-   SSE error event and the next requests fail over.
+3. one engine is killed with ``kill -9`` mid-stream: that stream moves to
+   another engine (no client sees an error) and the next requests fail over.
 
 Three single-thread engines, the gateway and the client share two cores at
 under 3 requests per second per node: the detector judges by accumulated
@@ -241,7 +241,12 @@ async def _body(servers: list[LlamaServer]) -> None:
         await wait_for(lambda: len(load.served) > mark + 10, timeout=30.0,
                        what="traffic after the kill")
         await load.stop()
-        assert load.mid_stream_errors >= 1
-        assert not load.errors, load.errors[:5]  # the rest failed over before the first byte
+        # the stream under way moved to another engine (a chat continuation): no
+        # client saw an error event; the rest failed over before the first byte
+        moved = gw.metrics.registry.get_sample_value(
+            "tailguard_migrations_total", {"pool": MODEL_NAME, "cause": "failure",
+                                           "result": "moved"})
+        assert load.mid_stream_errors == 0 and (moved or 0) >= 1, (load.mid_stream_errors, moved)
+        assert not load.errors, load.errors[:5]
         await wait_for(lambda: fleet.in_flight() == 0, what="nothing in flight")
         assert fleet.balancer.double_release == 0

@@ -134,6 +134,11 @@ class GatewayMetrics:
                            ["pool", "gpu", "result"], registry=r)
         self.hedges = Counter("tailguard_hedges", "Hedge (duplicate) requests sent, by result",
                               ["pool", "result"], registry=r)
+        self.migrations = Counter(
+            "tailguard_migrations", "Streams moved to another node mid-answer, by cause "
+            "(failure, stall, quarantined, down, degraded) and result (moved: the continuation "
+            "took over; resumed: the stalled stream came back first; failed)",
+            ["pool", "cause", "result"], registry=r)
         self.shed = Counter("tailguard_shed_requests", "Requests refused at admission (429)",
                             ["pool", "reason"], registry=r)
         self.remediations = Counter("tailguard_remediations",
@@ -209,6 +214,10 @@ class GatewayMetrics:
     def hedge(self, pool: str, result: str) -> None:
         """A hedge was sent; ``result``: ``won``, ``lost`` or ``cancelled`` (for issue 5)."""
         self.hedges.labels(pool, result).inc()
+
+    def migration(self, pool: str, cause: str, result: str) -> None:
+        """A stream's continuation was sent to another node (issue 45)."""
+        self.migrations.labels(pool, cause, result).inc()
 
     def shed_request(self, pool: str, reason: str) -> None:
         """Admission refused a request (``queue_full``, ``deadline``...; for issue 4)."""

@@ -57,6 +57,7 @@ from tailguard.config.options import (
     AdmissionBlock,
     HedgingBlock,
     LimitsBlock,
+    MigrationBlock,
     OutliersBlock,
     RetriesBlock,
 )
@@ -202,6 +203,7 @@ class PoolBlock(Block):
     limits: Block | None = None
     admission: Block | None = None
     hedging: Block = Field(default_factory=HedgingBlock)
+    migration: Block = Field(default_factory=MigrationBlock)
 
     @field_validator("policy")
     @classmethod
@@ -221,12 +223,14 @@ class PoolBlock(Block):
                           limits=self.limits.core() if self.limits is not None else None,
                           admission=self.admission.core() if self.admission is not None
                           else None,
-                          retries=self.retries.core(), hedging=self.hedging.core())
+                          retries=self.retries.core(), hedging=self.hedging.core(),
+                          migration=self.migration.core())
         return PoolSettings(core, self.timeouts.core())
 
 
 retype(PoolBlock, slo=SloBlock, timeouts=TimeoutsBlock, retries=RetriesBlock,
-       limits=LimitsBlock | None, admission=AdmissionBlock | None, hedging=HedgingBlock)
+       limits=LimitsBlock | None, admission=AdmissionBlock | None, hedging=HedgingBlock,
+       migration=MigrationBlock)
 
 
 class NodeBlock(ReplicaShape):

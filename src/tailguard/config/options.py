@@ -5,13 +5,15 @@
 (:class:`~tailguard.core.outliers.OutlierConfig`, on by default), ``hedging:``
 (:class:`~tailguard.core.hedging.HedgeConfig`, off by default) and
 ``retries:`` (:class:`~tailguard.core.retry_budget.RetryConfig`; a bare number
-is the attempts)::
+is the attempts) and ``migration:`` (:class:`~tailguard.core.migration.MigrationConfig`,
+on by default)::
 
     limits: {kind: gradient, min: 2, target: 0.9}
     admission: {queue_max: 256}
     outliers: {interval_s: 5, slow_ratio: 1.5, base_ejection_s: 30}
     hedging: {enabled: true, quantile: 0.95, budget: 0.05}
     retries: {attempts: 2, budget: 0.1}
+    migration: {stall_floor_s: 2, max_per_request: 1}
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tailguard.config.parse import block_for
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig
+from tailguard.core.migration import MigrationConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.retry_budget import RetryConfig
 
@@ -71,4 +74,14 @@ RetriesBlock = block_for(RetryConfig, shorthand="attempts", bounds={
     "budget": {"ge": 0.0, "le": 1.0},  # a share of requests
 })
 
-__all__ = ["AdmissionBlock", "HedgingBlock", "LimitsBlock", "OutliersBlock", "RetriesBlock"]
+MigrationBlock = block_for(MigrationConfig, bounds={
+    "stall_factor": {"ge": 1.0},
+    "stall_floor_s": {"gt": 0.0},
+    "min_remaining_tokens": {"ge": 0},
+    "max_per_request": {"ge": 0},
+    "budget": {"ge": 0.0, "le": 1.0},  # a share of requests
+    "min_per_s": {"ge": 0.0},
+})
+
+__all__ = ["AdmissionBlock", "HedgingBlock", "LimitsBlock", "MigrationBlock", "OutliersBlock",
+           "RetriesBlock"]

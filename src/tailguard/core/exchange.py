@@ -17,7 +17,9 @@ or shed it), :meth:`sent`, :meth:`first_chunk`, :meth:`failed` (with the
 failure's origin), :meth:`finished`, :meth:`timer` and :meth:`client_gone`;
 for a driver whose data plane retries by itself (the endpoint picker),
 :meth:`fallbacks` (the retry order, up front) and :meth:`redirected` (the data
-plane moved the request down that list).
+plane moved the request down that list); for a committed stream,
+:meth:`review` (its progress and silence) and :meth:`resumed` (a stalled
+stream sent data again).
 Actions: :class:`Dispatch` a copy to a node (its ticket holds the permit),
 :class:`Queue` (wait for :meth:`queue_decision`), :class:`Cancel` a copy,
 :class:`ArmTimer`, and the two endings that answer the client with an
@@ -52,16 +54,22 @@ What the exchange owns, so that no driver can differ:
   the deadline cut short (``Failure.cut``) is no evidence against its node.
 
 A copy is *committed* at its first chunk (or its complete answer): from then
-on no retry and no hedge, and a failure ends the exchange with
+on no retry and no hedge. A committed stream that fails, stalls or whose node
+leaves healthy service *migrates* (:mod:`tailguard.core.migration`): a
+:class:`Migrate` sends a continuation (the prompt plus the answer so far) to
+another node, and the exchange is ``MOVING`` until the continuation's first
+chunk commits it (the stalled copy, if still held, is cancelled) or the
+stalled copy resumes first (:meth:`resumed`: the continuation is cancelled).
+Where no continuation can go, the failure ends the exchange with
 ``Fail(committed=True)`` (the gateway ends the stream with an SSE error event).
 
 The exchange is in one :class:`Phase` at a time, and moves only as
 :data:`MOVES` allows (an event that finds it elsewhere is stale and changes
 nothing)::
 
-    NEW --arrive--> QUEUED --queue_decision--> TRYING --first chunk--> STREAMING
-     |                |                          |  ^ retry, hedge        |
-     +----------------+--------------------------+--+---------------------+--> ENDED
+    NEW --arrive--> QUEUED --queue_decision--> TRYING --first chunk--> STREAMING <--> MOVING
+     |                |                          |  ^ retry, hedge        |  migrate   |
+     +----------------+--------------------------+--+---------------------+------------+--> ENDED
 
 ``TRYING`` holds the copies before one commits (the first, retries, the
 hedge's race); how an ended exchange ended is :attr:`Exchange.ended`. Each
@@ -95,14 +103,16 @@ from tailguard.core.exchange_types import (
     Dispatch,
     Fail,
     Failure,
+    Migrate,
     Queue,
     Refuse,
     Request,
     StreamEnd,
     client_tpot,
 )
-from tailguard.core.fleet import OVERDUE_FACTOR, Outcome
+from tailguard.core.fleet import OVERDUE_FACTOR, NodeState, Outcome
 from tailguard.core.hedging import Hedger
+from tailguard.core.migration import LEAVE_NOW, MigrationConfig
 from tailguard.core.predict import decode_step_s
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
 
@@ -125,13 +135,15 @@ class Phase(enum.IntEnum):
     TRYING = 2  # copies sent, none committed: retries and the hedge's race
     STREAMING = 3  # one copy committed: its answer is the client's
     ENDED = 4
+    MOVING = 5  # streaming, and a continuation is on its way to another node
 
 
 MOVES: Mapping[Phase, frozenset[Phase]] = {
     Phase.NEW: frozenset({Phase.QUEUED, Phase.TRYING, Phase.ENDED}),
     Phase.QUEUED: frozenset({Phase.TRYING, Phase.ENDED}),
     Phase.TRYING: frozenset({Phase.STREAMING, Phase.ENDED}),
-    Phase.STREAMING: frozenset({Phase.ENDED}),
+    Phase.STREAMING: frozenset({Phase.MOVING, Phase.ENDED}),
+    Phase.MOVING: frozenset({Phase.STREAMING, Phase.ENDED}),
     Phase.ENDED: frozenset(),
 }
 
@@ -154,13 +166,17 @@ class Exchange:
     ended: str | None = None  # once ENDED: ok | client_error | failed | shed | client_gone
     _pending_5xx: list[str] | None = None  # nodes whose 5xx waits for a second opinion
     _timer_at = 0.0
+    moves = 0  # continuations sent (mid-stream migrations)
+    move_causes: list[str] | None = None  # why each was sent
+    move_result: str | None = None  # moved | resumed | failed | gone, for the last one
 
     def __init__(self, balancer: Balancer, request: Request, retries: RetryConfig | None = None,
                  budget: RetryBudget | None = None, hedger: Hedger | None = None,
-                 tag: Any = None, *, hedge: bool = True) -> None:
+                 tag: Any = None, *, hedge: bool = True, migrate: bool = True) -> None:
         """The retry rule, budget and hedger are the request's pool's unless given
         (a request for a model no pool serves gets the defaults, and no hedge).
-        ``hedge`` False: the driver cannot send a duplicate (the endpoint picker)."""
+        ``hedge`` False: the driver cannot send a duplicate; ``migrate`` False: it
+        cannot splice a continuation into a started answer (the endpoint picker)."""
         self.balancer = balancer
         self.request = request
         pool = balancer.pools.get(request.model)
@@ -173,6 +189,11 @@ class Exchange:
         self.retries = retries
         self.budget = budget
         self.hedger = hedger if request.stream else None
+        # Only a stream moves (anything else commits with its whole answer).
+        self.migration: MigrationConfig | None = None
+        if pool is not None and request.stream and migrate and pool.config.migration.enabled:
+            self.migration = pool.config.migration
+            self.move_budget = pool.moves
         self.tag = tag  # the driver's own (the simulator's request id, the gateway's future)
         self.copies: list[Copy] = []
 
@@ -184,6 +205,8 @@ class Exchange:
         self.budget.deposit()
         if self.hedger is not None:
             self.hedger.on_request()
+        if self.migration is not None:
+            self.move_budget.deposit()
         b = self.balancer
         r = self.request
         pool = b.pools.get(r.model)
@@ -267,14 +290,16 @@ class Exchange:
         (:meth:`Balancer.on_first_token`). A late chunk of a cancelled copy is
         ignored (empty answer; the driver has been told to cancel it).
         """
-        if copy.state != SENT or self.phase is not Phase.TRYING:
+        if copy.state != SENT or (self.phase is not Phase.TRYING
+                                  and self.phase is not Phase.MOVING):
             return NONE
         return self._commit(copy, now, served, True, defer_prefill)
 
     def prefilled(self, copy: Copy, now: float) -> tuple[Action, ...]:
         """``copy``'s prefill leg answered: its prompt is computed and its KV held
         for the decode node, which the returned :class:`Decode` sends it to."""
-        if copy.state != SENT or self.phase is not Phase.TRYING \
+        if copy.state != SENT or (self.phase is not Phase.TRYING
+                                  and self.phase is not Phase.MOVING) \
                 or not self.balancer.hand_off(copy.ticket, now):
             return NONE
         return (Decode(copy),)
@@ -310,6 +335,13 @@ class Exchange:
             copy.state = ENDED
             b.on_finish(copy.ticket, now, origin, output_tokens, judged=failure.judged,
                         timed=False, cached_tokens=cached_tokens)
+            if self.phase is Phase.MOVING:
+                return NONE  # its continuation is on its way
+            cfg = self.migration
+            if cfg is not None and cfg.on_failure and not failure.cut and not final:
+                moved = self._move(now, (copy.after or 0) + output_tokens, "failure")
+                if moved:
+                    return moved
             return self._fail(failure, copy.node_id, True)
         self._drop(copy, now, failure, copy.ticket)
         return self._after_drop(copy, now, failure, copy.node_id, final)
@@ -318,6 +350,8 @@ class Exchange:
                     final: bool) -> tuple[Action, ...]:
         """An uncommitted copy failed on ``node_id``: the race goes on, a retry, or the end."""
         b = self.balancer
+        if self.phase is Phase.MOVING:
+            return self._continuation_failed(copy, now, failure)
         if self._live() is not None:
             return NONE  # the other copy races on
         r = self.request
@@ -371,6 +405,8 @@ class Exchange:
         if copy.state == ENDED or self.phase is Phase.ENDED:
             return NONE
         actions = NONE
+        if self.phase is Phase.MOVING and copy.state == COMMITTED:
+            actions = self.resumed(copy, now)  # the stalled copy came back, to its end
         if copy.state == SENT:
             actions = self._commit(copy, now, outcome is Outcome.OK, self.request.stream, False)
         copy.state = ENDED
@@ -406,6 +442,57 @@ class Exchange:
         if copy.state != COMMITTED or self.phase is not Phase.STREAMING:
             return math.inf
         return self.balancer.on_stream_progress(copy.ticket, tokens, now)
+
+    def review(self, copy: Copy, now: float, tokens: int, silent_s: float) -> tuple[Action, ...]:
+        """The driver's look at the committed stream of ``copy``: ``tokens`` of its own
+        sent so far, none for ``silent_s``. A :class:`Migrate` when it is stalled (silent
+        for :meth:`stall_after` or more) or its node left healthy service while it
+        streamed with enough of the answer left (see :mod:`tailguard.core.migration`).
+        Drivers call it when a stream has been silent for :meth:`stall_after`, and
+        when they tell :meth:`streaming`."""
+        cfg = self.migration
+        if cfg is None or self.phase is not Phase.STREAMING or copy.state != COMMITTED \
+                or copy is not self.committed:
+            return NONE
+        state = copy.ticket.node.state
+        if cfg.on_stall and silent_s >= self.stall_after(copy):
+            cause = "stall"
+        elif cfg.on_node_state and (state in LEAVE_NOW or (
+                state is NodeState.DEGRADED and copy.was is not NodeState.DEGRADED)) \
+                and self._left(copy, tokens) >= cfg.min_remaining_tokens:
+            cause = state.value
+        else:
+            return NONE
+        return self._move(now, (copy.after or 0) + tokens, cause)
+
+    def stall_after(self, copy: Copy) -> float:
+        """Seconds without a token after which ``copy``'s stream counts as stalled
+        (``math.inf`` where streams do not move on stalls): ``stall_factor`` times
+        its expected time per token, never under ``stall_floor_s``."""
+        cfg = self.migration
+        if cfg is None or not cfg.on_stall:
+            return math.inf
+        ticket = copy.ticket
+        node, pool = ticket.node, ticket.pool
+        tpot = decode_step_s(node.perf, ticket.running(),
+                             pool.mean_prompt + pool.mean_output * 0.5) * node.class_decode_slowdown
+        return max(cfg.stall_floor_s, cfg.stall_factor * tpot)
+
+    def resumed(self, copy: Copy, now: float) -> tuple[Action, ...]:
+        """The stalled ``copy`` sent data again before its continuation's first token:
+        it wins their race, the continuation is cancelled."""
+        if self.phase is not Phase.MOVING or copy is not self.committed \
+                or copy.state != COMMITTED:
+            return NONE
+        self._to(Phase.STREAMING)
+        self.move_result = "resumed"
+        out = []
+        for c in self.copies:
+            if c.state == SENT:
+                c.state = ENDED
+                self.balancer.on_finish(c.ticket, now, Outcome.CLIENT_CANCELLED, 0)
+                out.append(Cancel(c))
+        return tuple(out)
 
     def client_gone(self, now: float, output_tokens: int = 0,
                     cached_tokens: int | None = None) -> tuple[Action, ...]:
@@ -531,6 +618,61 @@ class Exchange:
         if copy.hedge:
             self.hedge_result = "failed"
 
+    def _left(self, copy: Copy, tokens: int) -> float:
+        """Answer tokens still to come after ``tokens`` of ``copy``'s (unbounded: inf)."""
+        r = self.request
+        if r.max_tokens is None:
+            return math.inf
+        return r.max_tokens - (copy.after or 0) - tokens
+
+    def _move(self, now: float, tokens: int, cause: str) -> tuple[Action, ...]:
+        """A continuation after ``tokens`` answer tokens, to the node the policy picks
+        for the prompt plus those tokens (not one tried), within the request's
+        limit, the pool's budget and the request's time; none: nothing."""
+        cfg = self.migration
+        r = self.request
+        if cfg is None or self.moves >= cfg.max_per_request or self._time_left(now) <= 0.0:
+            return NONE
+        left = None
+        if r.max_tokens is not None:
+            left = r.max_tokens - tokens
+            if left < 1:
+                return NONE
+        if not self.move_budget.try_spend(now):
+            return NONE
+        b = self.balancer
+        ticket = b.pick(r.model, r.prompt_tokens + tokens, now, left, r.priority, self._avoid(),
+                        r.prefix, r.session)
+        if ticket is None or not self._has_time(ticket, now):
+            if ticket is not None:
+                b.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
+            self.move_budget.refund()
+            return NONE
+        self.moves += 1
+        self._to(Phase.MOVING)
+        c = Copy(ticket, False)
+        c.after = tokens
+        self.copies.append(c)
+        if self.move_causes is None:
+            self.move_causes = []
+        self.move_causes.append(cause)
+        return (Migrate(c, tokens, cause),)
+
+    def _continuation_failed(self, copy: Copy, now: float,
+                             failure: Failure) -> tuple[Action, ...]:
+        """``copy``, a continuation, failed before its first token: another one, or
+        back to the stalled copy while it lives, or the end of the stream."""
+        moved = self._move(now, copy.after or 0, "failure")
+        if moved:
+            return moved
+        old = self.committed
+        if old is not None and old.state == COMMITTED:
+            self._to(Phase.STREAMING)
+            self.move_result = "failed"
+            return NONE
+        self.move_result = "failed"
+        return self._fail(failure, copy.node_id, True)
+
     def _live(self) -> Copy | None:
         for c in self.copies:
             if c.state == SENT:
@@ -539,13 +681,25 @@ class Exchange:
 
     def _commit(self, copy: Copy, now: float, served: bool, first_token: bool,
                 defer_prefill: bool) -> tuple[Action, ...]:
+        prev = self.committed if self.phase is Phase.MOVING else None
         self._to(Phase.STREAMING)
         copy.state = COMMITTED
         self.committed = copy
         ticket = copy.ticket
+        copy.was = ticket.node.state
         if first_token:
             self.balancer.on_first_token(ticket, now, defer_prefill=defer_prefill)
         out: tuple[Action, ...] = NONE
+        if copy.after is not None:  # a continuation: it takes over from the stream it moves
+            self.move_result = "moved"
+            if prev is not None and prev.state == COMMITTED:  # stalled, still held: cancelled
+                prev.state = ENDED
+                self.balancer.on_finish(prev.ticket, now, Outcome.CLIENT_CANCELLED,
+                                        copy.after - (prev.after or 0), timed=False)
+                out = (Cancel(prev),)
+            if served:
+                self.served = True
+            return out
         if len(self.copies) > 1:
             losers = []
             for c in self.copies:
@@ -669,6 +823,7 @@ __all__ = [
     "Exchange",
     "Fail",
     "Failure",
+    "Migrate",
     "Phase",
     "Queue",
     "Refuse",

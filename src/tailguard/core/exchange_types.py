@@ -72,7 +72,8 @@ class Copy:
     # No reference back to its exchange: the driver knows which exchange it
     # reports to, and without the cycle an ended exchange is freed at once
     # (the simulator makes hundreds of thousands).
-    __slots__ = ("at_prefill", "hedge", "io", "pio", "prefill_node", "state", "ticket")
+    __slots__ = ("after", "at_prefill", "hedge", "io", "pio", "prefill_node", "state", "ticket",
+                 "was")
 
     def __init__(self, ticket: Ticket, hedge: bool) -> None:
         self.ticket = ticket
@@ -85,6 +86,10 @@ class Copy:
                                          else None)
         self.pio: Any = None
         self.at_prefill = False
+        # A continuation (mid-stream migration): the answer tokens the client had
+        # when it was sent, which it continues after (None: it answers from the start).
+        self.after: int | None = None
+        self.was: Any = None  # its node's state when it committed (a NodeState)
 
     @property
     def node_id(self) -> str:
@@ -117,6 +122,18 @@ class Decode(NamedTuple):
     ``copy.node_id`` (it takes the KV from there), as :class:`Dispatch` would."""
 
     copy: Copy
+
+
+class Migrate(NamedTuple):
+    """Send a continuation to ``copy.node_id``: the request's prompt followed by
+    the first ``after`` answer tokens the client has received, asking for the
+    rest; its answer continues the same response. Its events are reported with
+    ``copy`` as a :class:`Dispatch`'s are. ``cause``: failure, stall, or the state
+    of the node left (quarantined, down, degraded)."""
+
+    copy: Copy
+    after: int
+    cause: str
 
 
 class Queue(NamedTuple):
@@ -153,7 +170,7 @@ class Fail(NamedTuple):
     committed: bool
 
 
-Action = Dispatch | Decode | Queue | Cancel | ArmTimer | Refuse | Fail
+Action = Dispatch | Decode | Migrate | Queue | Cancel | ArmTimer | Refuse | Fail
 NONE: tuple[Action, ...] = ()
 
 

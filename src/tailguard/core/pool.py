@@ -13,6 +13,7 @@ from tailguard.core.fleet import Node
 from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.kv_transfer import DEFAULT_LINK, Link, LinkMap, PairLink
 from tailguard.core.limits import LimitConfig, Permit
+from tailguard.core.migration import MigrationConfig
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo
 from tailguard.core.policies.base import PairPolicy
 from tailguard.core.predict import decode_step_s, prefill_s, running_batch
@@ -41,6 +42,7 @@ class PoolConfig:
     prefix_block_tokens: int = PREFIX_BLOCK_TOKENS  # what one hash of a request's prefix covers
     retries: RetryConfig = field(default_factory=RetryConfig)  # failover before the first byte
     hedging: HedgeConfig = field(default_factory=HedgeConfig)  # off unless enabled
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # streams that move
     # Disaggregated serving: the KV path between two of its nodes unless a pair
     # (kv_pairs) or a node (NodeSpec.kv_link) has its own.
     kv_link: Link = DEFAULT_LINK
@@ -155,8 +157,8 @@ class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
     __slots__ = ("_eligible", "budget", "config", "disaggregated", "dispatch_hook", "hedger",
-                 "limited", "link_slowness", "links", "mean_output", "mean_prompt", "name", "nodes", "pairs",
-                 "policy", "prefix", "queue")
+                 "limited", "link_slowness", "links", "mean_output", "mean_prompt", "moves", "name",
+                 "nodes", "pairs", "policy", "prefix", "queue")
 
     def __init__(self, config: PoolConfig, policy: Policy, pairs: PairPolicy | None = None,
                  link_slowness: dict[tuple[str, str], float] | None = None) -> None:
@@ -181,6 +183,7 @@ class Pool:
         # The pool's retry budget and hedger, which every request of it draws on.
         self.budget: RetryBudget = config.retries.new_budget()
         self.hedger: Hedger | None = Hedger(config.hedging) if config.hedging.enabled else None
+        self.moves: RetryBudget = config.migration.new_budget()  # its streams' continuations
         # A policy that keeps its own record of where requests went (cache_aware).
         self.dispatch_hook: Callable[[str, RequestInfo], None] | None = getattr(
             policy, "on_dispatch", None)

@@ -65,6 +65,11 @@ class RetryBudget:
             r = min(r + (now - self._t) * self.min_per_s, self.min_per_s)
         return r >= _ONE
 
+    def refund(self) -> None:
+        """Give back a spent token: what it was spent on did not happen."""
+        b = self.balance + 1.0
+        self.balance = b if b < self.cap else self.cap
+
     def try_spend(self, now: float) -> bool:
         """Whether one retry may go now; spends it if so."""
         if self._t is not None and self.min_per_s > 0.0:

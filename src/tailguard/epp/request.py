@@ -173,7 +173,9 @@ class PickedRequest(ResponseSide):
             Request(req.model, req.prompt_tokens, req.max_tokens, self._priority(), req.stream,
                     ttft_budget(h.get(TTFT_HEADER)), len(body), exclude, req.prefix,
                     session_key(h.get(SESSION_HEADER), req)),
-            hedge=False)  # the data plane sends no duplicate
+            # The data plane sends no duplicate, and cannot splice a continuation
+            # into an answer it has started relaying (docs/epp.md, "Migration").
+            hedge=False, migrate=False)
         return self._carry_out(self.ex.arrive(time.monotonic()))
 
     def _carry_out(self, actions: tuple[Action, ...]) -> list[pb.ProcessingResponse] | None:

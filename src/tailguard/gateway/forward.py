@@ -29,31 +29,25 @@ becomes ``client_gone``, which releases every copy's permit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from tailguard.adapters.admission_gate import AdmissionGate, shed_response, ttft_header
-from tailguard.adapters.api_errors import NO_NODE, NODE_HEADER, error_response, sse_error_event
+from tailguard.adapters.api_errors import NO_NODE, error_response
 from tailguard.adapters.live_fleet import LiveFleet
-from tailguard.adapters.logs import CLIENT_CLOSED, note
+from tailguard.adapters.logs import note
 from tailguard.adapters.metrics import GatewayMetrics
-from tailguard.adapters.openai_request import PATHS, SESSION_HEADER, RoutedRequest, session_key
-from tailguard.adapters.sse import SseCounter, usage_completion_tokens
+from tailguard.adapters.openai_request import PATHS, SESSION_HEADER, session_key
+from tailguard.adapters.sse import usage_completion_tokens
 from tailguard.adapters.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponse,
 )
-from tailguard.config.fleet import NodeConfig, PoolSettings
+from tailguard.config.fleet import NodeConfig
 from tailguard.core.exchange import (
     NO_CAPACITY,
     RETRY_AFTER_S,
@@ -70,39 +64,9 @@ from tailguard.core.exchange import (
     Request,
 )
 from tailguard.core.fleet import Outcome
-from tailguard.gateway.idle import IdleTimeout
+from tailguard.gateway.call import Call, count_answer, response_headers
 from tailguard.gateway.race import Answer, Race, cancel_losers
-
-_RESPONSE_SKIP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "content-length", "date",
-})
-# Set once the request's status is in the metrics (a late disconnect must not count it again).
-_COUNTED = web.RequestKey("tailguard_counted", int)
-
-
-
-def count_answer(metrics: GatewayMetrics, request: web.Request, pool: str, status: int) -> None:
-    """Count the request's answer, once whatever happens after (a late disconnect)."""
-    if _COUNTED not in request:
-        request[_COUNTED] = status
-        metrics.request_done(pool, status)
-
-
-@dataclass(slots=True)
-class Call:
-    """One client request as the forwarder sees it."""
-
-    request: web.Request
-    endpoint: str
-    body: bytes
-    req: RoutedRequest
-    settings: PoolSettings
-    headers: CIMultiDict[str]  # what goes upstream (hop-by-hop headers dropped)
-    priority: int
-    deadline: float  # loop time by which everything must be done (timeouts.total_s)
-    t0: float  # monotonic arrival
-
+from tailguard.gateway.stream import Source, StreamRelay
 
 # vLLM's prefill leg asks for the KV to be kept for a remote decode (facts.md).
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -226,24 +190,26 @@ class Forwarder:
     # -- one copy on one node, to its first chunk --------------------------------
 
     async def _try(self, call: Call, copy: Copy, within_s: float | None = None,
-                   ex: Exchange | None = None) -> Failure | Answer:
+                   ex: Exchange | None = None, body: bytes | None = None) -> Failure | Answer:
         """POST to the copy's node: its answer with the first chunk read, or its failure.
-        ``within_s``: the attempt's own bound (the exchange's, for a non-streamed one).
-        A copy with a prefill node runs its prefill leg there first (:meth:`_prefill`)."""
-        body = call.body
+        ``within_s``: the attempt's own bound (the exchange's, for a non-streamed one);
+        ``body``: another than the client's (a continuation's). A copy with a prefill
+        node runs its prefill leg there first (:meth:`_prefill`)."""
+        body = call.body if body is None else body
         if copy.prefill_node is not None and ex is not None:
-            leg = await self._prefill(ex, call, copy)
+            leg = await self._prefill(ex, call, copy, body)
             if not isinstance(leg, bytes):  # its failure, or the engine's own 4xx answer
                 return leg
             body = leg
         return await self._send(call, copy.node_id, body, call.req.stream, within_s)
 
-    async def _prefill(self, ex: Exchange, call: Call, copy: Copy) -> Failure | Answer | bytes:
+    async def _prefill(self, ex: Exchange, call: Call, copy: Copy,
+                       body: bytes) -> Failure | Answer | bytes:
         """vLLM's P/D prefill leg, as vllm-router sends it: the client's body, not
         streamed, one token, asking the engine to keep the KV for a remote decode.
         Its answer's ``kv_transfer_params`` go to the decode node with the client's
         body (without them the decode node computes the prompt itself)."""
-        doc = json.loads(call.body)  # the client's body, parsed once more for this leg
+        doc = json.loads(body)  # the client's body, parsed once more for this leg
         leg = {k: v for k, v in doc.items() if k != "stream_options"}
         leg.update(stream=False, max_tokens=1, min_tokens=1, kv_transfer_params=REMOTE_DECODE)
         if "max_completion_tokens" in leg:
@@ -351,7 +317,7 @@ class Forwarder:
                     note(tokens=tokens)
                 count_answer(self.metrics, call.request, model, status)
                 return web.Response(status=status, body=payload,
-                                    headers=_response_headers(resp, node.id))
+                                    headers=response_headers(resp, node.id))
             # Committed: the client gets the answer's first bytes. Its prefill is
             # learnt at the end, once the usage says what was cached.
             t_first = time.monotonic()
@@ -364,149 +330,23 @@ class Forwarder:
             else:
                 resp.close()
 
-    def _gone(self, ex: Exchange, call: Call, counter: SseCounter,
-              out: web.StreamResponse) -> web.StreamResponse:
-        """The client left mid-stream (or read too slowly): 499, and every permit back."""
-        count_answer(self.metrics, call.request, call.req.model, CLIENT_CLOSED)
-        ex.client_gone(time.monotonic(), counter.output_tokens())
-        return out
-
     async def _stream(self, ex: Exchange, call: Call, copy: Copy, node: NodeConfig,
                       resp: UpstreamResponse, first: bytes,
                       t_first: float) -> web.StreamResponse:
-        """Pass a stream through, and tell the exchange how it ended."""
-        request = call.request
-        model = call.req.model
-        loop = asyncio.get_running_loop()
-        out = web.StreamResponse(status=resp.status, headers=_response_headers(resp, node.id))
-        counter = SseCounter()
-        counter.feed(first)
-        protocol = request.protocol
-        pauses = getattr(protocol, "write_pauses", 0)
-        try:
-            await out.prepare(request)
-            await out.write(first)
-        except ConnectionError:
-            return self._gone(ex, call, counter, out)
-        max_gap = 0.0
-        idle = call.settings.timeouts.idle_s
-        write_s = self.fleet.config.client.write_timeout_s
-        error: Failure | None = None
-        watchdog = IdleTimeout(loop, idle, call.deadline, write_s)
-        try:
-            max_gap = await _relay(resp, out, counter, watchdog, t_first,
-                                   _progress(ex, copy, counter, protocol, pauses))
-        except _ClientGone:
-            return self._gone(ex, call, counter, out)
-        except TimeoutError:
-            if watchdog.cause == "client":
-                # It read nothing for write_s: the client's doing, never the node's.
-                note(origin="client_slow_read")
-                self.metrics.client_closed_reason("slow_reader")
-                if request.transport is not None:
-                    request.transport.abort()
-                return self._gone(ex, call, counter, out)
-            total = watchdog.cause == "total"
-            error = Failure(Outcome.TIMEOUT, 504,
-                            f"node {node.id} exceeded the request's total time" if total
-                            else f"node {node.id} sent nothing for {idle:g} s", "upstream_timeout",
-                            cut=total)
-        except (UpstreamError, OSError) as exc:
-            error = Failure(Outcome.CONNECT_FAILURE, 502,
-                            f"node {node.id} failed in the middle of the stream: "
-                            f"{type(exc).__name__}", "upstream_disconnected")
-        tokens = counter.output_tokens()
-        timed = getattr(protocol, "write_pauses", 0) == pauses
-        now = time.monotonic()
-        cached = counter.cached_tokens(call.req.prompt_tokens)
-        if error is not None:
-            if error.origin is Outcome.TIMEOUT and not timed:
-                # The wait overlapped the client's stalls: not the node's failure.
-                error = Failure(Outcome.CLIENT_CANCELLED, error.status, error.message, error.code)
-            note(origin=error.origin.value, tokens=tokens)
-            ex.failed(copy, now, error, tokens, cached)
-            self.metrics.upstream_error(node.id, error.origin.value)
-            count_answer(self.metrics, request, model, error.status)
-            await _end_stream(out, write_s, sse_error_event(error.status, error.message,
-                                                            error.code))
-            return out
-        end = ex.stream_ended(copy, now, tokens=tokens, engine_error=counter.engine_error(),
-                              cached_tokens=cached, timed=timed)
-        if end.failure is not None:
-            # The engine ended the stream with its own error event: relayed as it
-            # is, but no success.
-            note(origin="engine_error_mid_stream", tokens=tokens)
-            self.metrics.upstream_error(node.id, end.error)
-            count_answer(self.metrics, request, model, end.failure.status)
-            await _end_stream(out, write_s)
-            return out
-        self.metrics.answered(model, node.id, node.gpu_class, now - call.t0, tokens,
-                              ttft=t_first - call.t0, tpot=end.tpot, max_gap=max_gap)
-        note(ttft_s=round(t_first - call.t0, 4), tokens=tokens)
-        count_answer(self.metrics, request, model, resp.status)
-        await _end_stream(out, write_s)
-        return out
+        """Pass a stream through (and move it where the exchange says), and tell the
+        exchange how it ended (:class:`~tailguard.gateway.stream.StreamRelay`)."""
+        fleet = self.fleet
 
+        def engine_of(node_id: str) -> str | None:
+            mon = fleet.monitors.get(node_id)
+            return mon.engine if mon is not None else None
 
-def _progress(ex: Exchange, copy: Copy, counter: SseCounter, protocol: Any,
-              pauses: int) -> Callable[[float], float]:
-    """The stream's progress for the detector (``Exchange.streaming``), while its pace
-    is the node's: once the client has made the gateway wait, no more."""
+        async def send(c: Copy, body: bytes) -> Failure | Answer:
+            return await self._try(call, c, None, ex, body)
 
-    def tell(now: float) -> float:
-        if getattr(protocol, "write_pauses", 0) != pauses:
-            return math.inf
-        return ex.streaming(copy, counter.output_tokens(), now)
-
-    return tell
-
-
-async def _relay(resp: UpstreamResponse, out: web.StreamResponse, counter: SseCounter,
-                 watchdog: IdleTimeout, t_first: float,
-                 progress: Callable[[float], float]) -> float:
-    """Copy the stream's chunks to the client as they come, counting its events and
-    telling ``progress`` when it asks; returns the longest gap between two chunks."""
-    last = t_first
-    max_gap = 0.0
-    tell_at = t_first
-    async with watchdog:
-        while True:
-            chunk = await resp.readany()
-            if not chunk:
-                return max_gap
-            now = time.monotonic()
-            if now - last > max_gap:
-                max_gap = now - last
-            last = now
-            counter.feed(chunk)
-            if now >= tell_at:
-                tell_at = progress(now)
-            watchdog.touch()
-            watchdog.writing = True
-            try:
-                await out.write(chunk)
-            except ConnectionError as exc:
-                raise _ClientGone from exc
-            watchdog.writing = False
-
-
-async def _end_stream(out: web.StreamResponse, write_s: float, last: bytes = b"") -> None:
-    """Write ``last`` (an SSE error event) and end the stream; a client gone or not
-    reading for ``write_s`` is left as it is: the answer is accounted already."""
-    with contextlib.suppress(ConnectionError, TimeoutError):
-        async with asyncio.timeout(write_s):
-            if last:
-                await out.write(last)
-            await out.write_eof()
-
-
-def _response_headers(resp: UpstreamResponse, node_id: str) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in resp.headers.items():
-        if k.lower() not in _RESPONSE_SKIP:
-            out.add(k, v)
-    out[NODE_HEADER] = node_id
-    return out
+        relay = StreamRelay(ex, call, self.metrics, send, engine_of, fleet.nodes.__getitem__,
+                            fleet.config.client.write_timeout_s)
+        return await relay.run(Source(copy, resp, node), first, t_first)
 
 
 def _snippet(payload: bytes, limit: int = 200) -> str:

@@ -30,6 +30,7 @@ is the request's own deadline.
 from __future__ import annotations
 
 import asyncio
+import math
 from types import TracebackType
 
 
@@ -37,13 +38,16 @@ class IdleTimeout:
     """Cancel the current task after ``idle_s`` without :meth:`touch`, or at ``deadline``."""
 
     __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "cause", "deadline",
-                 "idle_s", "last", "write_s", "writing")
+                 "idle_s", "last", "stall_s", "write_s", "writing")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, deadline: float,
                  write_s: float | None = None) -> None:
         self._loop = loop
         self.idle_s = idle_s
         self.write_s = idle_s if write_s is None else write_s
+        # A stream that may move to another node: silent this long, it expires with
+        # cause "stall" (the exchange then decides; inf: never).
+        self.stall_s = math.inf
         self.deadline = deadline
         self.last = loop.time()
         self.writing = False
@@ -82,7 +86,9 @@ class IdleTimeout:
         return None
 
     def _limit(self) -> float:
-        return self.write_s if self.writing else self.idle_s
+        if self.writing:
+            return self.write_s
+        return self.stall_s if self.stall_s < self.idle_s else self.idle_s
 
     def _arm(self) -> None:
         when = self.last + self._limit()
@@ -95,7 +101,8 @@ class IdleTimeout:
             self._arm()  # progress since the timer was set: wait out the rest
             return
         self._expired = True
-        self.cause = "total" if now >= self.deadline else "client" if self.writing else "idle"
+        self.cause = ("total" if now >= self.deadline else "client" if self.writing
+                      else "stall" if self.stall_s < self.idle_s else "idle")
         if self._task is not None:
             self._task.cancel()
 

@@ -67,13 +67,13 @@ class Race:
         task = copy.io
         if isinstance(task, asyncio.Task):
             self.tasks.pop(task, None)
-            _stop(task)
+            stop_attempt(task)
 
     def close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
         for task in self.tasks:
-            _stop(task)
+            stop_attempt(task)
         self.tasks.clear()
 
 
@@ -89,7 +89,8 @@ def cancel_losers(race: Race | None, actions: tuple[Action, ...]) -> None:
             race.cancel(a.copy)
 
 
-def _stop(task: asyncio.Task[Failure | Answer]) -> None:
+def stop_attempt(task: asyncio.Future[Failure | Answer]) -> None:
+    """Cancel an attempt's task; an answer it already got is closed."""
     if not task.done():
         task.cancel()
     elif not task.cancelled() and task.exception() is None:

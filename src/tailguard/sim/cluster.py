@@ -47,6 +47,7 @@ from tailguard.core.exchange import (
     Dispatch,
     Exchange,
     Failure,
+    Migrate,
     Request,
     pump,
 )
@@ -54,6 +55,7 @@ from tailguard.core.fleet import NodeSpec, Outcome
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.kv_transfer import DEFAULT_LINK, Link, PairLink
 from tailguard.core.limits import LimitConfig
+from tailguard.core.migration import MigrationConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import Slo
@@ -116,6 +118,10 @@ class RunRecord:
     prefill_node: list[int] = field(default_factory=list)
     kv_s: list[float] = field(default_factory=list)
     handoff: list[float] = field(default_factory=list)  # when its prompt was handed over
+    # Mid-stream migration: continuations sent, by cause, and the prompt tokens
+    # they made engines compute again (the original prompt plus the answer so far).
+    moves: dict[str, int] = field(default_factory=dict)
+    move_prefill_tokens: int = 0
 
 
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
@@ -147,6 +153,7 @@ def run_cluster(
     progress: Callable[[float], None] | None = None,
     outliers: OutlierConfig | None = None,
     hedging: HedgeConfig | None = None,
+    migration: MigrationConfig | None = None,
     limits: LimitConfig | None = None,
     admission: AdmissionConfig | None = None,
     priorities: Sequence[int] | None = None,
@@ -166,7 +173,8 @@ def run_cluster(
     ``sessions``: each request's session (its key for session affinity)."""
     pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
                       admission=admission, retries=retries or RetryConfig(),
-                      hedging=hedging or HedgeConfig(), kv_link=kv_link, kv_pairs=kv_pairs)
+                      hedging=hedging or HedgeConfig(), kv_link=kv_link, kv_pairs=kv_pairs,
+                      migration=migration or MigrationConfig())
     if blocks is not None:
         pool = dataclasses.replace(pool, prefix_block_tokens=block_tokens)
     balancer = Balancer(node_specs(plans, model), [pool],
@@ -237,6 +245,11 @@ class ClusterSim:
         det = balancer.outliers
         self.judge_pieces = det is not None and det.config.segment_s > 0.0
         self.streaming = StreamReports()
+        # Mid-stream migration: each node's committed streams (copy ids), and the
+        # tokens those of a crashing node had sent.
+        self.moving = self.pool.config.migration.enabled
+        self.streams_on: list[set[int]] = [set() for _ in plans]
+        self.crash_tokens: dict[int, int] = {}
 
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -325,16 +338,22 @@ class ClusterSim:
         if owner is None:
             return
         rid = owner.tag
-        rec = self.rec
         copy = self.copies[cid]
+        prompt, output = self._sizes(rid, copy)
         if copy is not None and copy.pio == cid:  # a prefill leg: one token, its KV held
             blocks = self.blocks[rid] if self.blocks is not None else ()
-            ns.engine.submit(cid, rec.prompt[rid], 1, now, blocks, self.bt, hold_kv=True)
+            ns.engine.submit(cid, prompt, 1, now, blocks, self.bt, hold_kv=True)
         elif self.blocks is None:
-            ns.engine.submit(cid, rec.prompt[rid], rec.output[rid], now)
+            ns.engine.submit(cid, prompt, output, now)
         else:
-            ns.engine.submit(cid, rec.prompt[rid], rec.output[rid], now, self.blocks[rid], self.bt)
+            ns.engine.submit(cid, prompt, output, now, self.blocks[rid], self.bt)
         self._reschedule(ns)
+
+    def _sizes(self, rid: int, copy: Copy | None) -> tuple[int, int]:
+        """The prompt and answer a copy asks its engine for: a continuation's prompt
+        carries the answer so far, and it asks for the rest."""
+        after = copy.after if copy is not None and copy.after is not None else 0
+        return self.rec.prompt[rid] + after, max(1, self.rec.output[rid] - after)
 
     def _prefill_event(self, ex: Exchange, copy: Copy, kind: int, b: int, now: float) -> None:
         """What a prefill leg's engine said: done (its one token), or failed."""
@@ -356,7 +375,7 @@ class ClusterSim:
         pn, dn = self.nodes[p], self.nodes[d]
         kv = self.pool.links.nominal_s(pn.plan.id, dn.plan.id,
                                        dn.plan.perf.model.kv_bytes_per_token,
-                                       self.rec.prompt[rid])
+                                       self._sizes(rid, copy)[0])
         rate = min(pn.kv_rate, dn.kv_rate)  # a kv_link fault on either end
         if rate != 1.0:
             link = self.pool.links.between(pn.plan.id, dn.plan.id)
@@ -387,8 +406,8 @@ class ClusterSim:
             return
         rid = owner.tag
         blocks = self.blocks[rid] if self.blocks is not None else ()
-        ns.engine.submit(cid, self.rec.prompt[rid], self.rec.output[rid], now, blocks, self.bt,
-                         remote_kv=remote)
+        prompt, output = self._sizes(rid, copy)
+        ns.engine.submit(cid, prompt, output, now, blocks, self.bt, remote_kv=remote)
         self._reschedule(ns)
 
     def _tick(self, now: float, tick_s: float) -> None:
@@ -461,11 +480,14 @@ class ClusterSim:
         actions = ex.first_chunk(copy, now, defer_prefill=self.blocks is not None)
         if actions:  # the race's losers
             self._do(ex, actions, now)
-        if copy.state == COMMITTED and self.rec.first[ex.tag] < 0.0:
-            self.rec.first[ex.tag] = now
+        if copy.state == COMMITTED and ex.committed is copy:
+            if self.rec.first[ex.tag] < 0.0:
+                self.rec.first[ex.tag] = now
             self.rec.node[ex.tag] = self.copy_node[copy.io]
             if self.judge_pieces:
                 self.streaming.committed(ex, copy, now)
+            if self.moving:
+                self.streams_on[self.copy_node[copy.io]].add(copy.io)
         if self.limited:  # a shorter prompt backlog may have let a waiter go
             self._place_queued(now)
 
@@ -478,7 +500,8 @@ class ClusterSim:
             cached = self.nodes[self.copy_node[copy.io]].engine.cached_tokens(copy.io)
             if ex.committed is copy or ex.committed is None:
                 self.rec.cached[rid] = cached
-        actions = ex.finished(copy, now, Outcome.OK, self.rec.output[rid], cached_tokens=cached)
+        actions = ex.finished(copy, now, Outcome.OK, self._sizes(rid, copy)[1],
+                              cached_tokens=cached)
         if actions:
             self._do(ex, actions, now)
         self._settle(ex, now)
@@ -490,7 +513,9 @@ class ClusterSim:
             self._place_queued(now)
 
     def _failed(self, ex: Exchange, copy: Copy, now: float, failure: Failure) -> None:
-        self._do(ex, ex.failed(copy, now, failure), now)
+        # A stream's tokens so far (a crash's: read before it): the client has them.
+        tokens = self.crash_tokens.pop(copy.io, 0) if copy.state == COMMITTED else 0
+        self._do(ex, ex.failed(copy, now, failure, tokens), now)
         if ex.ended is not None:
             self._settle(ex, now)
         if self.limited:
@@ -519,6 +544,10 @@ class ClusterSim:
         f = self.faults[fi]
         assert f.node is not None, "a scenario's fault names its node"
         ns = self.nodes[self.by_id[f.node]]
+        if f.kind == "crash" and not ending and self.moving:
+            eng = ns.engine
+            self.crash_tokens = {cid: eng.tokens_by(cid, now) for cid in self.streams_on[ns.index]
+                                 if self.copies[cid] is not None}
         apply_fault(f, ending, ns, now, self._crashed, self._deliver)
         self._reschedule(ns)
 
@@ -554,6 +583,12 @@ class ClusterSim:
             elif kind is Decode:
                 assert isinstance(a, Decode)
                 self._decode(ex, a.copy, now)
+            elif kind is Migrate:
+                assert isinstance(a, Migrate)
+                rec = self.rec
+                rec.moves[a.cause] = rec.moves.get(a.cause, 0) + 1
+                rec.move_prefill_tokens += rec.prompt[ex.tag] + a.after
+                self._send(ex, Dispatch(a.copy), now)
             elif kind is ArmTimer:
                 assert isinstance(a, ArmTimer)
                 self.push(a.at, TIMER, ex.tag)
@@ -570,6 +605,8 @@ class ClusterSim:
                 self.outstanding -= 1
                 self.exchanges[rid] = None
                 for c in ex.copies:
+                    if self.moving:
+                        self.streams_on[self.copy_node[c.io]].discard(c.io)
                     self.copies[c.io] = None
                     self.copy_ex[c.io] = None
                     if c.pio is not None:

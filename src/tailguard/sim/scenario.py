@@ -38,13 +38,20 @@ from tailguard.config.catalog import CatalogBlock, extend_catalog
 from tailguard.config.core_options import LinkBlock, ReplicaShape, SloBlock, kv_link
 from tailguard.config.faults import FaultBlock, FaultSpec
 from tailguard.config.files import read_yaml
-from tailguard.config.options import AdmissionBlock, HedgingBlock, LimitsBlock, OutliersBlock
+from tailguard.config.options import (
+    AdmissionBlock,
+    HedgingBlock,
+    LimitsBlock,
+    MigrationBlock,
+    OutliersBlock,
+)
 from tailguard.config.parse import retype
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, Model, PerfModel
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.kv_transfer import DEFAULT_LINK, Link, PairLink
 from tailguard.core.limits import LimitConfig
+from tailguard.core.migration import MigrationConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import Layout, PipelinePerf
 from tailguard.core.policies import Slo, policy_names
@@ -118,6 +125,7 @@ class Scenario:
     limits: LimitConfig | None = None  # per-node concurrency limits (None: none)
     admission: AdmissionConfig | None = None  # the gateway queue (None: none)
     hedging: HedgeConfig = field(default_factory=HedgeConfig)  # hedged requests (off)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # streams that move (on)
     # The nodes export DCGM-like GPU readings: a slow node's events name the
     # throttled GPU (or say its GPUs are healthy), as the gateway's do.
     gpu_telemetry: bool = False
@@ -236,6 +244,7 @@ class ScenarioFile(Block):
     limits: Block | None = None
     admission: Block | None = None
     hedging: Block = Field(default_factory=HedgingBlock)
+    migration: Block = Field(default_factory=MigrationBlock)
     kv_link: str | LinkBlock | None = None  # disaggregated serving's default KV path
     kv_pairs: list[PairBlock] = Field(default_factory=list)
 
@@ -255,7 +264,7 @@ class ScenarioFile(Block):
 
 
 retype(ScenarioFile, slo=SloBlock, outliers=OutliersBlock, limits=LimitsBlock | None,
-       admission=AdmissionBlock | None, hedging=HedgingBlock)
+       admission=AdmissionBlock | None, hedging=HedgingBlock, migration=MigrationBlock)
 
 
 def _pairs(doc: ScenarioFile, planned: list[NodePlan]) -> tuple[PairLink, ...]:
@@ -305,7 +314,8 @@ def parse_scenario(raw: Any, base_dir: Path | None = None,
                         doc.outliers.core(),
                         limits=doc.limits.core() if doc.limits is not None else None,
                         admission=doc.admission.core() if doc.admission is not None else None,
-                        hedging=doc.hedging.core(), gpu_telemetry=doc.gpu_telemetry,
+                        hedging=doc.hedging.core(), migration=doc.migration.core(),
+                        gpu_telemetry=doc.gpu_telemetry,
                         kv_link=kv_link(doc.kv_link, "kv_link") or DEFAULT_LINK)
     planned = scenario.nodes()
     return replace(scenario, faults=_faults(doc, planned), kv_pairs=_pairs(doc, planned))

@@ -1,0 +1,181 @@
+"""Mid-stream migration, live (issue 45): a node frozen or killed under streams.
+
+Three emulated engines, each a process of its own, behind a real gateway;
+closed-loop clients stream long answers through the official ``openai``
+client. One node is frozen with SIGSTOP (or killed with SIGKILL) while
+streams run on it. Every stream must reach its end as one well-formed
+stream: no error event, one role delta, one finish reason, the content
+chunks the usage counts, and the whole ``max_tokens``; and the longest gap a
+client saw between two chunks must be the stall trigger plus a
+continuation's first token, not the freeze.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import openai
+import yaml
+from emulated_procs import engine_process, wait_listening
+from gateway_fakes import free_port, wait_for
+
+from tailguard.config.fleet import load_fleet
+from tailguard.gateway.app import RunningGateway, run_gateway
+
+MAX_TOKENS = 160
+MSG = [{"role": "user", "content": "tell me a long story about a lighthouse keeper"}]
+
+
+class Streams:
+    """Closed-loop streaming clients; each answer checked as a client would read it."""
+
+    def __init__(self, gw: RunningGateway, workers: int) -> None:
+        self.client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused",
+                                         max_retries=0, timeout=60)
+        self.workers = workers
+        self.done = 0
+        self.errors: list[str] = []
+        self.gaps: list[float] = []  # each stream's longest gap between two chunks
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        await self.client.close()
+
+    async def _worker(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self._one()
+            except Exception as exc:  # what a client would see
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _one(self) -> None:
+        stream = await self.client.chat.completions.create(
+            model="m", messages=MSG, max_tokens=MAX_TOKENS, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True})
+        roles = finishes = content = 0
+        ids: set[str] = set()
+        usage = None
+        last = time.monotonic()
+        gap = 0.0
+        async for chunk in stream:
+            now = time.monotonic()
+            gap = max(gap, now - last)
+            last = now
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                assert choice.index == 0
+                if choice.delta.role:
+                    roles += 1
+                if choice.delta.content:
+                    content += 1
+                if choice.finish_reason:
+                    finishes += 1
+        assert len(ids) == 1, f"one stream, one id: {ids}"
+        assert roles == 1 and finishes == 1, (roles, finishes)
+        assert usage is not None and usage.completion_tokens == content == MAX_TOKENS, \
+            (usage, content)
+        self.gaps.append(gap)
+        self.done += 1
+
+
+def _fleet(tmp: Path, ports: list[int]) -> Path:
+    doc: dict[str, Any] = {
+        "listen": "127.0.0.1:0",
+        "nodes": [{"id": f"n{i}", "url": f"http://127.0.0.1:{p}", "gpu": "A100",
+                   "models": ["m"]} for i, p in enumerate(ports)],
+        "pools": {"m": {"policy": "tailguard",
+                        "timeouts": {"connect_s": 0.5, "first_byte_s": 2.0, "idle_s": 30.0,
+                                     "total_s": 60.0},
+                        "migration": {"budget": 1.0, "min_per_s": 20.0}}},
+        "scrape": {"interval_s": 0.2, "stale_s": 1.0},
+        "health": {"interval_s": 0.2, "failures": 2},
+    }
+    path = tmp / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _busiest(gw: RunningGateway) -> str:
+    nodes = gw.fleet.balancer.nodes
+    return max(sorted(nodes), key=lambda n: nodes[n].in_flight)
+
+
+def _run(tmp: Path, fault: str) -> tuple[Streams, RunningGateway, dict[str, float]]:
+    ports = [free_port() for _ in range(3)]
+    nodes = [{"id": f"n{i}", "url": f"http://127.0.0.1:{p}", "gpu": "A100", "models": ["m"]}
+             for i, p in enumerate(ports)]
+    seen: dict[str, float] = {}
+
+    async def body(procs: list[subprocess.Popen[bytes]]) -> tuple[Streams, RunningGateway]:
+        for p in ports:
+            await wait_listening(p)
+        async with run_gateway(load_fleet(_fleet(tmp, ports))) as gw:
+            await wait_for(lambda: all(m.sample is not None for m in gw.fleet.monitors.values()),
+                           timeout=15.0, what="engines scraped")
+            streams = Streams(gw, workers=6)
+            streams.start()
+            try:
+                await wait_for(lambda: streams.done >= 6, timeout=30.0, what="traffic")
+                await wait_for(lambda: min(n.in_flight for n in gw.fleet.balancer.nodes.values())
+                               > 0, timeout=10.0, what="streams on every node")
+                victim = _busiest(gw)
+                seen["streams_on_victim"] = gw.fleet.balancer.nodes[victim].in_flight
+                proc = procs[int(victim[1:])]
+                before = streams.done
+                if fault == "freeze":
+                    proc.send_signal(signal.SIGSTOP)
+                    await asyncio.sleep(10.0)
+                    proc.send_signal(signal.SIGCONT)
+                else:
+                    proc.kill()
+                    proc.wait(timeout=10)
+                    await asyncio.sleep(4.0)
+                await wait_for(lambda: streams.done >= before + 12, timeout=30.0,
+                               what="streams after the fault")
+            finally:
+                await streams.stop()
+            await wait_for(lambda: gw.fleet.in_flight() == 0, timeout=10.0, what="drained")
+            assert gw.fleet.balancer.double_release == 0
+            reg = gw.metrics.registry
+            for cause in ("stall", "failure", "down", "quarantined"):
+                for result in ("moved", "resumed", "failed"):
+                    v = reg.get_sample_value("tailguard_migrations_total",
+                                             {"pool": "m", "cause": cause, "result": result})
+                    if v:
+                        seen[f"{cause}/{result}"] = v
+            return streams, gw
+
+    with ExitStack() as stack:
+        procs = [stack.enter_context(engine_process(tmp, n)) for n in nodes]
+        streams, gw = asyncio.run(body(procs))
+    return streams, gw, seen
+
+
+def test_a_node_frozen_mid_stream_moves_its_streams(tmp_path: Path) -> None:
+    streams, _, seen = _run(tmp_path, "freeze")
+    assert not streams.errors, streams.errors[:5]
+    assert seen["streams_on_victim"] >= 1
+    assert seen.get("stall/moved", 0) >= 1, seen
+    # The stall trigger (1 s, the floor) plus a continuation's first token, far under
+    # the 10 s freeze.
+    assert max(streams.gaps) < 4.0, sorted(streams.gaps)[-5:]
+
+
+def test_a_node_killed_mid_stream_moves_its_streams(tmp_path: Path) -> None:
+    streams, _, seen = _run(tmp_path, "kill")
+    assert not streams.errors, streams.errors[:5]
+    assert seen.get("failure/moved", 0) >= 1, seen
