@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from typing import Any
@@ -73,12 +74,14 @@ def node_ids(groups: list[dict[str, Any]]) -> list[str]:
 
 
 def run(raw: dict[str, Any], window: tuple[float, float] | None = None,
-        options: dict[str, Any] | None = None) -> dict[str, Any]:
+        options: dict[str, Any] | None = None,
+        records: dict[str, RunRecord] | None = None) -> dict[str, Any]:
     """The tailguard policy's result (with policy ``options``); with ``window``,
     also the TTFT P99 and P99.9 of the requests that arrived in it
     (``window_ttft_p99_s``, ``window_ttft_p999_s``) and how many of them waited
-    over a second for their first token (``window_over_1s``)."""
-    records: dict[str, RunRecord] = {}
+    over a second for their first token (``window_over_1s``). ``records``: gets the
+    per-request arrays, under "tailguard"."""
+    records = {} if records is None else records
     choice = PolicyChoice("tailguard", options or {})
     out = simulate(parse_scenario(raw), [choice], records=records)
     res: dict[str, Any] = out["results"][choice.label]
@@ -158,14 +161,20 @@ def healthy_hour(seed: int, hour_s: float) -> dict[str, Any]:
     groups = [{"gpu": g, "count": c, "speed_spread": 0.1}
               for g, c in zip(GPUS, (2, 3, 5, 4), strict=True)]
     t0 = time.perf_counter()
-    res = run(scenario(seed, groups, hour_s, []))
+    records: dict[str, RunRecord] = {}
+    res = run(scenario(seed, groups, hour_s, []), records=records)
     wall = time.perf_counter() - t0
     ev = [e for e in res["events"] if e["state"] in ("degraded", "quarantined")]
+    rec = records["tailguard"]
+    moves = sum(rec.moves.values())
+    gaps = np.asarray([g for g in rec.gaps if math.isfinite(g)])
+    over = {f">{t:g}s": int((gaps > t).sum()) for t in (0.25, 0.5, 1.0)}
     print(f"healthy-hour: {hour_s:g} simulated s, {res['requests']} requests, "
-          f"{len(ev)} degradations/quarantines, TTFT p99 {res['ttft_s']['p99']:.3f} s "
-          f"({wall:.0f} s wall)  {'OK' if not ev else 'FAIL'}", flush=True)
+          f"{len(ev)} degradations/quarantines, {moves} migrations, TTFT p99 "
+          f"{res['ttft_s']['p99']:.3f} s; streams whose longest gap was {over} "
+          f"({wall:.0f} s wall)  {'OK' if not ev and not moves else 'FAIL'}", flush=True)
     return {"requests": res["requests"], "bad_events": ev, "ttft_p99_s": res["ttft_s"]["p99"],
-            "wall_s": round(wall, 1)}
+            "migrations": moves, "longest_gaps_over": over, "wall_s": round(wall, 1)}
 
 
 FAULT_AT_S, FAULT_FOR_S, INCIDENT_S = 120.0, 240.0, 420.0
@@ -276,6 +285,78 @@ def stalls(seed: int, cases: int) -> list[dict[str, Any]]:
     return rows
 
 
+def longest_gaps(rec: RunRecord, window: tuple[float, float]) -> np.ndarray:
+    """The longest inter-token gap of each request that arrived in ``window`` and got a
+    first token (inf: its stream failed)."""
+    arr = np.asarray(rec.arrival)
+    gaps = np.asarray(rec.gaps)
+    sel = (arr >= window[0]) & (arr < window[1]) & ~np.isnan(gaps)
+    return gaps[sel]
+
+
+def quantile(values: np.ndarray, q: float) -> float:
+    """The ``q`` quantile (nearest rank, so that failed streams' inf counts as inf)."""
+    if not values.size:
+        return 0.0
+    ordered = np.sort(values)
+    return float(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)])
+
+
+def migration(seed: int, cases: int) -> list[dict[str, Any]]:
+    """Streams caught by a hang (10 s, twice per victim), a hung tensor-parallel rank
+    (one GPU of a TP-2 replica at 0.2% of its speed for 60 s: each step of the
+    replica waits for it, about 5-10 s) or a crash (60 s), with
+    migration off and on: the P99.9 of the longest inter-token gap each client saw
+    (inf: the stream failed) and the extra prefill the continuations cost."""
+    rows = []
+    window = (60.0, 300.0)
+    for c in range(cases):
+        rng = random.Random(f"{seed}:migration:{c}")
+        groups = [{"gpu": "H100-SXM", "count": rng.randint(1, 2), "tp": 2, "speed_spread": 0.1},
+                  {"gpu": "A100-80GB", "count": rng.randint(2, 4), "speed_spread": 0.1},
+                  {"gpu": "L4", "count": 2, "speed_spread": 0.1}]
+        ids = node_ids(groups)
+        fast = [n for n in ids if not n.startswith(("L4", "T4"))]
+        victims = rng.sample(fast, 2)
+        tp = [n for n in ids if n.startswith("H100")]
+        kinds = {
+            "hang": [{"node": v, "kind": "stall", "at_s": at, "seconds": 10.0}
+                     for i, v in enumerate(victims) for at in (90 + 40 * i, 200 + 30 * i)],
+            "rank": [{"node": tp[0], "kind": "throttle", "gpu_index": 1, "factor": 0.002,
+                      "at_s": 120, "duration_s": 60}],
+            "crash": [{"node": victims[0], "kind": "crash", "at_s": 120, "duration_s": 60}],
+        }
+        s = seed * 100 + c
+        for kind, faults in kinds.items():
+            out = {}
+            for on in (False, True):
+                raw = scenario(s, groups, 300, faults, load=0.7)
+                raw["migration"] = {"enabled": True} if on else {"enabled": False}
+                records: dict[str, RunRecord] = {}
+                if not on:  # the gaps are measured by the migration watch: keep it, moving none
+                    raw["migration"] = {"enabled": True, "on_failure": False, "on_stall": False,
+                                        "on_node_state": False}
+                run(raw, records=records)
+                rec = records["tailguard"]
+                g = longest_gaps(rec, window)
+                prompt = float(np.sum(rec.prompt))
+                out[on] = {"p999": quantile(g, 0.999), "p99": quantile(g, 0.99),
+                           "failed": int(np.isinf(g).sum()), "moves": dict(rec.moves),
+                           "extra_prefill": rec.move_prefill_tokens / prompt if prompt else 0.0}
+            off_q, on_q = out[False]["p999"], out[True]["p999"]
+            ratio = off_q / on_q if on_q > 0 else math.inf
+            extra = out[True]["extra_prefill"]
+            ok = ratio >= 5.0 and extra <= 0.02
+            rows.append({"case": c, "kind": kind, "victims": victims if kind != "rank" else tp[:1],
+                         "off": out[False], "on": out[True], "ratio": ratio})
+            print(f"migration case {c} {kind:5s}: longest gap p99.9 off {off_q:.2f} s "
+                  f"(p99 {out[False]['p99']:.2f}, {out[False]['failed']} failed streams), on "
+                  f"{on_q:.2f} s (p99 {out[True]['p99']:.2f}, {out[True]['failed']} failed); "
+                  f"{ratio:.1f}x lower; moves {out[True]['moves']}, extra prefill "
+                  f"{100 * extra:.2f}%  {'OK' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", default="throttle-detect,healthy-hour,incident,stalls")
@@ -296,6 +377,8 @@ def main() -> None:
         out["incident"] = incident(args.seed, args.cases, only)
     if "stalls" in runs:
         out["stalls"] = stalls(args.seed, args.cases)
+    if "migration" in runs:
+        out["migration"] = migration(args.seed, args.cases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -112,8 +112,8 @@ from tailguard.core.exchange_types import (
 )
 from tailguard.core.fleet import OVERDUE_FACTOR, NodeState, Outcome
 from tailguard.core.hedging import Hedger
-from tailguard.core.migration import LEAVE_NOW, MigrationConfig
-from tailguard.core.predict import decode_step_s
+from tailguard.core.migration import LEAVE_NOW, STALL_SLOWDOWN_CAP, MigrationConfig
+from tailguard.core.predict import decode_step_s, saturated_step_s
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
 
 # A non-streamed attempt's own bound: this many times what its node is expected
@@ -455,28 +455,35 @@ class Exchange:
                 or copy is not self.committed:
             return NONE
         state = copy.ticket.node.state
+        silent: float | None = None
         if cfg.on_stall and silent_s >= self.stall_after(copy):
             cause = "stall"
+            silent = silent_s
         elif cfg.on_node_state and (state in LEAVE_NOW or (
-                state is NodeState.DEGRADED and copy.was is not NodeState.DEGRADED)) \
+                cfg.on_degraded and state is NodeState.DEGRADED
+                and copy.was is not NodeState.DEGRADED)) \
                 and self._left(copy, tokens) >= cfg.min_remaining_tokens:
             cause = state.value
         else:
             return NONE
-        return self._move(now, (copy.after or 0) + tokens, cause)
+        return self._move(now, (copy.after or 0) + tokens, cause, silent)
 
     def stall_after(self, copy: Copy) -> float:
         """Seconds without a token after which ``copy``'s stream counts as stalled
         (``math.inf`` where streams do not move on stalls): ``stall_factor`` times
-        its expected time per token, never under ``stall_floor_s``."""
+        the longest step its node's engine takes when healthy (a decode step of the
+        batch it joined carrying a full prompt chunk, with its class's learned
+        slowdown up to :data:`~tailguard.core.migration.STALL_SLOWDOWN_CAP`), never
+        under ``stall_floor_s``."""
         cfg = self.migration
         if cfg is None or not cfg.on_stall:
             return math.inf
         ticket = copy.ticket
         node, pool = ticket.node, ticket.pool
-        tpot = decode_step_s(node.perf, ticket.running(),
-                             pool.mean_prompt + pool.mean_output * 0.5) * node.class_decode_slowdown
-        return max(cfg.stall_floor_s, cfg.stall_factor * tpot)
+        step = saturated_step_s(node.perf, ticket.running(),
+                                pool.mean_prompt + pool.mean_output * 0.5)
+        slowdown = min(node.class_decode_slowdown, STALL_SLOWDOWN_CAP)
+        return max(cfg.stall_floor_s, cfg.stall_factor * step * slowdown)
 
     def resumed(self, copy: Copy, now: float) -> tuple[Action, ...]:
         """The stalled ``copy`` sent data again before its continuation's first token:
@@ -625,10 +632,19 @@ class Exchange:
             return math.inf
         return r.max_tokens - (copy.after or 0) - tokens
 
-    def _move(self, now: float, tokens: int, cause: str) -> tuple[Action, ...]:
+    def _move(self, now: float, tokens: int, cause: str,
+              silent_s: float | None = None) -> tuple[Action, ...]:
         """A continuation after ``tokens`` answer tokens, to the node the policy picks
         for the prompt plus those tokens (not one tried), within the request's
-        limit, the pool's budget and the request's time; none: nothing."""
+        limit, the pool's budget and the request's time; none: nothing.
+
+        A stalled stream (``silent_s`` so far) moves only once it has waited as long
+        as its continuation is expected to take to its first token: the rule of
+        ski rental (rent until renting has cost what buying does), which never
+        costs more than twice the best choice made knowing when the stall ends.
+        It keeps short stalls from sending a burst of re-prefills to the other
+        nodes (each stream that moves recomputes its prompt and answer there),
+        and as continuations queue up, the later ones of a burst wait longer."""
         cfg = self.migration
         r = self.request
         if cfg is None or self.moves >= cfg.max_per_request or self._time_left(now) <= 0.0:
@@ -643,7 +659,8 @@ class Exchange:
         b = self.balancer
         ticket = b.pick(r.model, r.prompt_tokens + tokens, now, left, r.priority, self._avoid(),
                         r.prefix, r.session)
-        if ticket is None or not self._has_time(ticket, now):
+        if ticket is None or not self._has_time(ticket, now) \
+                or (silent_s is not None and silent_s < self._needs_s(ticket, 0.0)):
             if ticket is not None:
                 b.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
             self.move_budget.refund()

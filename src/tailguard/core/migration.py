@@ -12,29 +12,37 @@ Triggers (:class:`MigrationConfig`):
 
 * **failure** after the first byte: a reset, an engine error event, an idle
   timeout. Without migration the client gets an SSE error event.
-* **stall**: no token for ``stall_factor`` times the stream's expected time per
-  token, never less than ``stall_floor_s``. The stalled copy keeps running and
+* **stall**: no token for ``stall_factor`` times the longest step its node's
+  engine takes when healthy (a decode step that carries a full prompt chunk:
+  every stream in it waits that long, and that is no stall), never less than
+  ``stall_floor_s``. The stalled copy keeps running and
   races its continuation: whichever sends the next token first wins and the
   other is cancelled, so a stall that ends on its own costs one cancelled
   prefill, never a worse answer.
-* **node left healthy service** while the stream ran: its node turned
-  quarantined or down, or degraded after the stream began, and at least
+* **node left service** while the stream ran: its node turned quarantined or
+  down (the balancer sends it nothing new either), and at least
   ``min_remaining_tokens`` are left to generate (a short remainder finishes
-  sooner where it is than a re-prefill elsewhere takes).
+  sooner where it is than a re-prefill elsewhere takes). With ``on_degraded``,
+  also a node degraded after the stream began: off by default, because a
+  degraded node is still serving at a lower weight and moving all its streams
+  at once is a burst of re-prefills on the others (a TP-4 replica with one GPU
+  at half speed: the fleet's TTFT p99 1.10x with it on against 1.04x off,
+  tests/sim/test_gpu_faults.py's fleet).
 
 Bounds: ``max_per_request`` continuations per request, and a budget of
 ``budget`` continuations per request arrived (plus ``min_per_s`` per second,
 as the retry budget), so a fleet-wide slowdown cannot become a storm of
 re-prefills.
 
-Worked example (the defaults): a stream on an A100 whose expected time per
-token is 25 ms stalls. 10 x 25 ms = 0.25 s is under the 1 s floor, so the
-stall trigger fires 1 s after its last token; a continuation of a 900-token
-prompt with 300 tokens answered is a 1,200-token prefill elsewhere (about
-0.1 s on an H100), so the client's longest gap is about 1.1 s instead of the
-stall's length. The floor is what keeps healthy streams still: in the
-simulator's healthy hour no stream of any GPU class went 1 s without a token
-(benchmarks/README.md, "Migration").
+Worked example (the defaults, Llama-3.1-8B): an A100's longest healthy step
+(64 streams decoding and a 2,048-token prompt chunk) is about 0.16 s, so a
+stream there counts as stalled after 4 x 0.16 = 0.63 s without a token; an
+L4's is 0.40 s (1.6 s), an H100's 0.05 s (the 0.5 s floor). A continuation of
+a 900-token prompt with 300 tokens answered is a 1,200-token prefill elsewhere
+(about 0.1 s on an idle H100), so the client's longest gap is about 0.75 s
+instead of the stall's length. In the simulator's healthy hour (H100, A100, L4
+and T4 at load 0.8) no stream went 0.25 s without a token, so the trigger
+moves nothing there (benchmarks/README.md, "Migration").
 
 Dynamo migrates on worker failure only (``--migration-limit``); no router
 moves a stream because its node became a straggler.
@@ -49,6 +57,12 @@ from tailguard.core.retry_budget import RetryBudget
 
 # Node states that end a stream's stay: no new request goes there either.
 LEAVE_NOW = frozenset({NodeState.QUARANTINED, NodeState.DOWN})
+# The most of its class's learned decode slowdown a stall trigger allows for. A
+# class of one node learns its slowdown from that node alone: a hung node would
+# otherwise teach its own trigger to wait through its hangs (a TP-2 H100, alone
+# in its class, with one rank at 0.2% speed: 10 s gaps with the trigger following
+# its class, 1.4 s capped).
+STALL_SLOWDOWN_CAP = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +72,17 @@ class MigrationConfig:
     enabled: bool = True
     on_failure: bool = True  # a stream that fails after its first byte
     on_stall: bool = True  # no token for stall_after_s
-    on_node_state: bool = True  # its node was quarantined, or degraded while it streamed
-    stall_factor: float = 10.0  # times the stream's expected time per token
-    stall_floor_s: float = 1.0
+    on_node_state: bool = True  # its node was quarantined or went down while it streamed
+    on_degraded: bool = False  # ... or was degraded while it streamed
+    stall_factor: float = 4.0  # times the longest step its engine takes when healthy
+    stall_floor_s: float = 0.5
     min_remaining_tokens: int = 64  # for a move because of its node's state
     max_per_request: int = 2
-    budget: float = 0.05  # continuations per request arrived
+    budget: float = 0.1  # continuations per request arrived
     min_per_s: float = 1.0
 
     def new_budget(self) -> RetryBudget:
         return RetryBudget(self.budget, self.min_per_s)
 
 
-__all__ = ["LEAVE_NOW", "MigrationConfig"]
+__all__ = ["LEAVE_NOW", "STALL_SLOWDOWN_CAP", "MigrationConfig"]

@@ -365,6 +365,18 @@ class Engine(Scheduler):
             steps = max(steps, seg.s0 + seg.steps_done_by(min(now, seg.end)))
         return r.g0 + steps - r.s0
 
+    def step_span(self, now: float) -> tuple[float, float] | None:
+        """The step under way at ``now`` as (start, end), a pause counting as one step:
+        the requests decoding in it got their last token at its start and get the
+        next at its end (None when idle). Without advancing the engine."""
+        seg = self._seg
+        if seg is None:
+            return None
+        if seg.n <= 1:
+            return seg.t0, seg.end
+        k = seg.steps_done_by(now) if now > seg.t0 else 0
+        return seg.time_at(k), seg.end if k + 1 >= seg.n else seg.time_at(k + 1)
+
     # ---------------------------------------------------------------- internals
 
     def _update_next(self) -> None:

@@ -60,6 +60,7 @@ from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
+from tailguard.sim.moves import REVIEW, WATCH, StreamWatch
 from tailguard.sim.nodes import HEALTH_INTERVAL_S, SimNode, apply_fault, health_check
 from tailguard.sim.scenario import NodePlan
 from tailguard.sim.streams import StreamReports
@@ -76,6 +77,7 @@ TICK = 7
 TIMER = 8  # a: request id (an exchange's timer)
 HEALTH = 9  # a round of health probes
 HANDOFF = 10  # a: copy id: its prompt's KV has reached its decode node
+MOVES = 11  # mid-stream migration's look at a node (a) or a moved copy (a); b: sim/moves.py
 
 # Request status codes in the result arrays.
 OK, FAILED_STATUS, UNFINISHED, SHED = 0, 1, 2, 3
@@ -122,6 +124,9 @@ class RunRecord:
     # they made engines compute again (the original prompt plus the answer so far).
     moves: dict[str, int] = field(default_factory=dict)
     move_prefill_tokens: int = 0
+    # Each request's longest gap between two tokens (sim/moves.py; empty when
+    # migration is off): nan never served, inf failed after its first token.
+    gaps: list[float] = field(default_factory=list)
 
 
 def node_specs(plans: Sequence[NodePlan], model: str) -> list[NodeSpec]:
@@ -248,8 +253,9 @@ class ClusterSim:
         # Mid-stream migration: each node's committed streams (copy ids), and the
         # tokens those of a crashing node had sent.
         self.moving = self.pool.config.migration.enabled
-        self.streams_on: list[set[int]] = [set() for _ in plans]
-        self.crash_tokens: dict[int, int] = {}
+        self.watch = StreamWatch(self.nodes, self.copies, self.copy_ex, self.copy_node,
+                                 self.pool.config.migration.stall_floor_s, self._do,
+                                 lambda t, x, what: self.push(t, MOVES, x, what))
 
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -266,6 +272,7 @@ class ClusterSim:
         seq = self.seq
         nodes = self.nodes
         copies = self.copies
+        watch_on = self.watch.on if self.moving else [set() for _ in nodes]
         n_req = len(rec.arrival)
         next_progress = 0.0
         now = 0.0
@@ -282,6 +289,8 @@ class ClusterSim:
                 for t_ev, ev_kind, cid in ns.engine.advance(now):
                     push(heap, (t_ev + delay, next(seq), _DELIVERY[ev_kind], cid, 2))
                 self._reschedule(ns)
+                if watch_on[a]:
+                    self.watch.look(ns, now)
             elif kind == ARRIVE:
                 if a + 1 < n_req:
                     push(heap, (rec.arrival[a + 1], next(seq), ARRIVE, a + 1, 0))
@@ -312,6 +321,8 @@ class ClusterSim:
                 self._fault(a, b == 1, now)
             elif kind == HANDOFF:
                 self._hand_off(a, now)
+            elif kind == MOVES:
+                self._watched(a, b, now)
             elif kind == HEALTH:
                 health_check(nodes, self.balancer, now)
                 if self.outstanding > 0:
@@ -410,10 +421,25 @@ class ClusterSim:
         ns.engine.submit(cid, prompt, output, now, blocks, self.bt, remote_kv=remote)
         self._reschedule(ns)
 
+    def _watched(self, x: int, what: int, now: float) -> None:
+        """Mid-stream migration's event: a review of node ``x``'s streams, a look at its
+        next step, or whether moved copy ``x`` resumed first."""
+        if what == REVIEW:
+            self.watch.review(x, now)
+        elif what == WATCH:
+            self.watch.look(self.nodes[x], now)
+        else:
+            self.watch.resume(x, now)
+        if self.limited:
+            self._place_queued(now)
+
     def _tick(self, now: float, tick_s: float) -> None:
         """The balancer's periodic work: stream progress, detection, the queues."""
         if self.streaming:
             self.streaming.report(now, self.nodes, self.copy_node, self.half_rtt)
+        if self.moving:
+            nodes, ids = self.balancer.nodes, self.rec.node_ids
+            self.watch.states(lambda ni: nodes[ids[ni]].state, now)
         events = self.balancer.tick(now)
         if events and self.gpu_telemetry:
             events = [self._with_gpu_cause(e) for e in events]
@@ -439,6 +465,9 @@ class ClusterSim:
     def _finish_record(self, now: float) -> RunRecord:
         rec = self.rec
         rec.end_time = now
+        if self.moving:
+            rec.gaps = self.watch.gaps(rec.node, rec.first, rec.end,
+                                       [st == OK for st in rec.status], self.half_rtt)
         b = self.balancer
         rec.limits = {n.id: n.limiter.limit for n in b.nodes.values() if n.limiter is not None}
         if self.hedger is not None:
@@ -487,7 +516,7 @@ class ClusterSim:
             if self.judge_pieces:
                 self.streaming.committed(ex, copy, now)
             if self.moving:
-                self.streams_on[self.copy_node[copy.io]].add(copy.io)
+                self.watch.committed(ex, copy, now)
         if self.limited:  # a shorter prompt backlog may have let a waiter go
             self._place_queued(now)
 
@@ -514,7 +543,7 @@ class ClusterSim:
 
     def _failed(self, ex: Exchange, copy: Copy, now: float, failure: Failure) -> None:
         # A stream's tokens so far (a crash's: read before it): the client has them.
-        tokens = self.crash_tokens.pop(copy.io, 0) if copy.state == COMMITTED else 0
+        tokens = self.watch.crash_tokens.pop(copy.io, 0) if copy.state == COMMITTED else 0
         self._do(ex, ex.failed(copy, now, failure, tokens), now)
         if ex.ended is not None:
             self._settle(ex, now)
@@ -545,11 +574,11 @@ class ClusterSim:
         assert f.node is not None, "a scenario's fault names its node"
         ns = self.nodes[self.by_id[f.node]]
         if f.kind == "crash" and not ending and self.moving:
-            eng = ns.engine
-            self.crash_tokens = {cid: eng.tokens_by(cid, now) for cid in self.streams_on[ns.index]
-                                 if self.copies[cid] is not None}
+            self.watch.crashing(ns, now)
         apply_fault(f, ending, ns, now, self._crashed, self._deliver)
         self._reschedule(ns)
+        if self.moving and self.watch.on[ns.index]:
+            self.watch.look(ns, now)
 
     def _crashed(self, cid: int, t: float) -> None:
         copy = self.copies[cid]
@@ -588,6 +617,8 @@ class ClusterSim:
                 rec = self.rec
                 rec.moves[a.cause] = rec.moves.get(a.cause, 0) + 1
                 rec.move_prefill_tokens += rec.prompt[ex.tag] + a.after
+                assert ex.committed is not None  # the stream it moves
+                self.watch.moving(ex, ex.committed, rec.first[ex.tag], now)
                 self._send(ex, Dispatch(a.copy), now)
             elif kind is ArmTimer:
                 assert isinstance(a, ArmTimer)
@@ -604,9 +635,9 @@ class ClusterSim:
                 self.rec.end[rid] = now
                 self.outstanding -= 1
                 self.exchanges[rid] = None
+                if self.moving:
+                    self.watch.ended(ex.copies)
                 for c in ex.copies:
-                    if self.moving:
-                        self.streams_on[self.copy_node[c.io]].discard(c.io)
                     self.copies[c.io] = None
                     self.copy_ex[c.io] = None
                     if c.pio is not None:
