@@ -66,7 +66,8 @@ class Clients:
     async def _worker(self, s: aiohttp.ClientSession) -> None:
         body = {"model": "m", "messages": MSG, "max_tokens": self.tokens, "stream": True}
         while not self._stop.is_set():
-            t0 = last = time.monotonic()
+            t0 = time.monotonic()
+            last: float | None = None  # gaps between chunks, not the wait for the first
             gap = 0.0
             raw = b""
             error = False
@@ -76,7 +77,8 @@ class Clients:
                         error = True
                     async for chunk in r.content.iter_any():
                         now = time.monotonic()
-                        gap = max(gap, now - last)
+                        if last is not None:
+                            gap = max(gap, now - last)
                         last = now
                         raw = (raw + chunk)[-4096:]
             except aiohttp.ClientError:

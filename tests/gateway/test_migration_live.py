@@ -67,11 +67,12 @@ class Streams:
         roles = finishes = content = 0
         ids: set[str] = set()
         usage = None
-        last = time.monotonic()
+        last: float | None = None  # the gaps between chunks, not the wait for the first
         gap = 0.0
         async for chunk in stream:
             now = time.monotonic()
-            gap = max(gap, now - last)
+            if last is not None:
+                gap = max(gap, now - last)
             last = now
             ids.add(chunk.id)
             if chunk.usage is not None:
@@ -170,9 +171,9 @@ def test_a_node_frozen_mid_stream_moves_its_streams(tmp_path: Path) -> None:
     assert not streams.errors, streams.errors[:5]
     assert seen["streams_on_victim"] >= 1
     assert seen.get("stall/moved", 0) >= 1, seen
-    # The stall trigger (1 s, the floor) plus a continuation's first token, far under
-    # the 10 s freeze.
-    assert max(streams.gaps) < 4.0, sorted(streams.gaps)[-5:]
+    # The stall trigger (0.5 s, the floor, for these short prompts) plus a
+    # continuation's first token (measured: 0.53 s), far under the 10 s freeze.
+    assert max(streams.gaps) < 2.0, sorted(streams.gaps)[-5:]
 
 
 def test_a_node_killed_mid_stream_moves_its_streams(tmp_path: Path) -> None:

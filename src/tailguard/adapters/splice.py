@@ -185,6 +185,13 @@ def continuation_body(doc: dict[str, Any], chat: bool, so_far: SoFar) -> bytes |
     return json.dumps(body).encode()
 
 
+def moved_comment(old: str, new: str, cause: str, after: int) -> bytes:
+    """The SSE comment that marks a move in the stream (``migration.announce``):
+    clients skip comment lines, so the stream stays a plain OpenAI stream."""
+    return f": tailguard moved this answer from {old} to {new} after {after} tokens " \
+           f"({cause})\n\n".encode()
+
+
 class Rewriter:
     """Rewrites a continuation's SSE bytes into events of the original stream."""
 
@@ -267,4 +274,5 @@ class Rewriter:
         return keep
 
 
-__all__ = ["CONTINUES_CHAT", "DONE", "Relayed", "Rewriter", "SoFar", "continuation_body"]
+__all__ = ["CONTINUES_CHAT", "DONE", "Relayed", "Rewriter", "SoFar", "continuation_body",
+           "moved_comment"]

@@ -78,8 +78,11 @@ class MigrationConfig:
     stall_floor_s: float = 0.5
     min_remaining_tokens: int = 64  # for a move because of its node's state
     max_per_request: int = 2
-    budget: float = 0.1  # continuations per request arrived
+    budget: float = 0.02  # continuations per request arrived
     min_per_s: float = 1.0
+    # The gateway marks a move in the stream with an SSE comment, which clients
+    # skip (off: a plain OpenAI stream).
+    announce: bool = False
 
     def new_budget(self) -> RetryBudget:
         return RetryBudget(self.budget, self.min_per_s)

@@ -41,7 +41,13 @@ from tailguard.adapters.api_errors import sse_error_event
 from tailguard.adapters.logs import CLIENT_CLOSED, note
 from tailguard.adapters.metrics import GatewayMetrics
 from tailguard.adapters.openai_request import CHAT
-from tailguard.adapters.splice import CONTINUES_CHAT, Relayed, Rewriter, continuation_body
+from tailguard.adapters.splice import (
+    CONTINUES_CHAT,
+    Relayed,
+    Rewriter,
+    continuation_body,
+    moved_comment,
+)
 from tailguard.adapters.sse import SseCounter
 from tailguard.adapters.upstream import UpstreamError, UpstreamResponse
 from tailguard.config.fleet import NodeConfig
@@ -380,6 +386,7 @@ class StreamRelay:
                     reading = None
                 ex.first_chunk(copy, now, defer_prefill=True)  # the stalled copy is cancelled
                 old.resp.close()
+                self.relayed.pending = b""  # the old stream's partial event: never sent
                 self.before = move.after
                 src = Source(copy, resp, self.node_of(copy.node_id), Rewriter(so_far))
                 self.sources.append(src)
@@ -387,6 +394,9 @@ class StreamRelay:
                     self.max_gap = now - self.last
                 self.last = now
                 data = self._emit(src, payload)
+                cfg = ex.migration
+                if cfg is not None and cfg.announce:
+                    data = moved_comment(old.node.id, copy.node_id, move.cause, move.after) + data
                 if data:
                     try:
                         await out.write(data)
