@@ -60,7 +60,7 @@ from tailguard.core.outliers import OutlierConfig
 from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import Slo
 from tailguard.core.retry_budget import RetryConfig
-from tailguard.sim.moves import REVIEW, WATCH, StreamWatch
+from tailguard.sim.moves import GAP_RESOLUTION_S, REVIEW, WATCH, StreamWatch
 from tailguard.sim.nodes import HEALTH_INTERVAL_S, SimNode, apply_fault, health_check
 from tailguard.sim.scenario import NodePlan
 from tailguard.sim.streams import StreamReports
@@ -289,7 +289,8 @@ class ClusterSim:
                 for t_ev, ev_kind, cid in ns.engine.advance(now):
                     push(heap, (t_ev + delay, next(seq), _DELIVERY[ev_kind], cid, 2))
                 self._reschedule(ns)
-                if watch_on[a]:
+                # (a run no longer than the resolution has no long step in it)
+                if watch_on[a] and ns.scheduled - now > GAP_RESOLUTION_S:
                     self.watch.look(ns, now)
             elif kind == ARRIVE:
                 if a + 1 < n_req:

@@ -75,7 +75,9 @@ class StreamWatch:
         cid = copy.io
         ni = self.copy_node[cid]
         self.on[ni].add(cid)
-        self.look(self.nodes[ni], now)  # it may have joined a step that stalls
+        ns = self.nodes[ni]
+        if ns.scheduled - now > GAP_RESOLUTION_S:  # it may have joined a step that stalls
+            self.look(ns, now)
         if copy.after is None:
             return
         rid = ex.tag
