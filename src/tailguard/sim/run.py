@@ -6,6 +6,7 @@ the scenario seed), so differences between policies are the policies'.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -112,10 +113,31 @@ def run_policy(
                                          rec.outliers["detected"], rec.outliers["enforced"])
     res.update(pd_report(rec, wl.warmup_s, gpu_of))
     res["hedges"] = rec.hedges
+    if rec.moves:  # streams moved mid-answer (a run without any keeps its old result)
+        res["migrations"] = migration_report(rec, wl.warmup_s)
     if scn.hedging.enabled:  # the share is over every request of the run, warm-up included
         res["hedge_wins"] = rec.hedge_wins
         res["hedge_share"] = round(rec.hedges / max(1, len(rec.arrival)), 6)
     return res
+
+
+def migration_report(rec: RunRecord, warmup_s: float) -> dict[str, object]:
+    """Moves by cause, the prompt tokens they made engines compute again (as a share
+    of all prompts), and the longest inter-token gap per request after the warm-up
+    (p99, p99.9 and max; a failed stream counts as inf, shown as null)."""
+    gaps = sorted(g for g, t in zip(rec.gaps, rec.arrival, strict=True)
+                  if t >= warmup_s and not math.isnan(g))
+
+    def q(p: float) -> float | None:
+        if not gaps:
+            return None
+        g = gaps[min(len(gaps) - 1, math.ceil(p * len(gaps)) - 1)]
+        return round(g, 6) if math.isfinite(g) else None
+
+    return {"moves": dict(sorted(rec.moves.items())),
+            "extra_prefill_share": round(rec.move_prefill_tokens / max(1, sum(rec.prompt)), 6),
+            "failed_streams": sum(1 for g in gaps if math.isinf(g)),
+            "longest_gap_s": {"p99": q(0.99), "p999": q(0.999), "max": q(1.0)}}
 
 
 def planned_limits(scn: Scenario, reqs: Requests) -> LimitConfig | None:
