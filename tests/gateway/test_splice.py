@@ -81,3 +81,10 @@ def test_the_continuations_events_become_the_original_streams() -> None:
 def test_a_move_can_be_announced_as_a_comment() -> None:
     line = moved_comment("n1", "n2", "stall", 40)
     assert line.startswith(b": ") and line.endswith(b"\n\n") and b"n1 to n2" in line
+
+
+def test_a_one_byte_chunk_without_a_boundary_waits() -> None:
+    r = Relayed()
+    assert r.cut(b"d") == b""
+    assert r.cut(b"ata: x\n\n") == b"data: x\n\n"
+    assert r.cut(b"\n") == b"" and r.flush() == b"\n"

@@ -85,26 +85,29 @@ class Relayed:
     __slots__ = ("pending", "sent")
 
     def __init__(self) -> None:
-        self.sent = bytearray()
+        self.sent: list[bytes] = []  # joined only when the stream moves
         self.pending = b""
 
     def cut(self, chunk: bytes) -> bytes:
         """What of ``chunk`` to send now: whole events only."""
         data = self.pending + chunk if self.pending else chunk
-        end = data.rfind(_SEP)
-        if end < 0:
+        end = data.rfind(_SEP) + 2
+        if end < 2:  # no event ends in it
             self.pending = data
             return b""
-        end += len(_SEP)
+        if end == len(data):  # the usual chunk: whole events, nothing to copy
+            self.pending = b""
+            self.sent.append(data)
+            return data
         self.pending = data[end:]
         out = data[:end]
-        self.sent += out
+        self.sent.append(out)
         return out
 
     def flush(self) -> bytes:
         """The held-back rest, at the stream's end (a last event without its blank line)."""
         out, self.pending = self.pending, b""
-        self.sent += out
+        self.sent.append(out)
         return out
 
     def so_far(self, chat: bool) -> SoFar:
@@ -114,7 +117,7 @@ class Relayed:
         index = 0
         finished = False
         faithful = True
-        for obj in _events(bytes(self.sent)):
+        for obj in _events(b"".join(self.sent)):
             choices = obj.get("choices")
             if not isinstance(choices, list):
                 continue
