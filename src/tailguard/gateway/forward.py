@@ -19,11 +19,12 @@ module maps its actions onto asyncio and HTTP:
 * :class:`~tailguard.core.exchange.Refuse` and
   :class:`~tailguard.core.exchange.Fail`: the error answer.
 
-A committed stream is relayed byte for byte (:meth:`Forwarder._stream`): per
-chunk it counts ``data:`` events (:class:`~tailguard.adapters.sse.SseCounter`),
-notes the gap since the previous one and pushes the idle deadline; it never
-parses a chunk's JSON. A client that goes away (the handler is cancelled)
-becomes ``client_gone``, which releases every copy's permit.
+A committed stream is relayed by :class:`~tailguard.gateway.stream.StreamRelay`
+(events counted, never parsed), which also carries out
+:class:`~tailguard.core.exchange.Migrate`: a continuation of the answer on
+another node, spliced into the same response, with its copy's attempt made by
+:meth:`Forwarder._try` as any other. A client that goes away (the handler is
+cancelled) becomes ``client_gone``, which releases every copy's permit.
 """
 
 from __future__ import annotations
