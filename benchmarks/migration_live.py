@@ -153,8 +153,8 @@ async def _drive(gw: RunningGateway, procs: list[subprocess.Popen[bytes]], case:
     task = asyncio.create_task(clients.run())
     await asyncio.sleep(args.warmup_s)
     nodes = gw.fleet.balancer.nodes
-    victim = max(sorted(nodes), key=lambda n: nodes[n].in_flight)
-    on_victim = nodes[victim].in_flight
+    victim = max(sorted(nodes), key=lambda n: nodes[n].decoding)  # streams under way
+    on_victim = nodes[victim].decoding
     proc = procs[int(victim[1:])]
     t_fault = time.monotonic()
     if case == "freeze":

@@ -111,8 +111,9 @@ def _fleet(tmp: Path, ports: list[int]) -> Path:
 
 
 def _busiest(gw: RunningGateway) -> str:
+    """The node with the most streams past their first token (those a fault moves)."""
     nodes = gw.fleet.balancer.nodes
-    return max(sorted(nodes), key=lambda n: nodes[n].in_flight)
+    return max(sorted(nodes), key=lambda n: nodes[n].decoding)
 
 
 def _run(tmp: Path, fault: str) -> tuple[Streams, RunningGateway, dict[str, float]]:
@@ -131,10 +132,10 @@ def _run(tmp: Path, fault: str) -> tuple[Streams, RunningGateway, dict[str, floa
             streams.start()
             try:
                 await wait_for(lambda: streams.done >= 6, timeout=30.0, what="traffic")
-                await wait_for(lambda: min(n.in_flight for n in gw.fleet.balancer.nodes.values())
-                               > 0, timeout=10.0, what="streams on every node")
+                await wait_for(lambda: max(n.decoding for n in gw.fleet.balancer.nodes.values())
+                               >= 2, timeout=10.0, what="streams under way on a node")
                 victim = _busiest(gw)
-                seen["streams_on_victim"] = gw.fleet.balancer.nodes[victim].in_flight
+                seen["streams_on_victim"] = gw.fleet.balancer.nodes[victim].decoding
                 proc = procs[int(victim[1:])]
                 before = streams.done
                 if fault == "freeze":

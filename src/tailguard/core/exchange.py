@@ -456,7 +456,7 @@ class Exchange:
             return NONE
         state = copy.ticket.node.state
         silent: float | None = None
-        if cfg.on_stall and silent_s >= self.stall_after(copy):
+        if cfg.on_stall and silent_s > 0.0 and silent_s >= self.stall_after(copy):
             cause = "stall"
             silent = silent_s
         elif cfg.on_node_state and (state in LEAVE_NOW or (

@@ -321,6 +321,7 @@ class StreamRelay:
         so_far = self.relayed.so_far(self.chat)
         doc: Any = json.loads(call.body)
         reading: asyncio.Task[bytes] | None = None
+        sending: asyncio.Future[Failure | Answer] | None = None  # the continuation, till used
         try:
             while True:
                 copy = move.copy
@@ -351,6 +352,7 @@ class StreamRelay:
                             chunk = _result(task)
                             if chunk:  # the stalled copy came back first: it wins
                                 stop_attempt(sending)
+                                sending = None
                                 ex.resumed(old.copy, time.monotonic())
                                 await self._write_resumed(old, out, chunk)
                                 return old
@@ -361,6 +363,7 @@ class StreamRelay:
                                 old.counter.output_tokens())
                         if sending in done:
                             result = sending.result()
+                            sending = None
                             break
                 if not isinstance(result, Failure) and result[0].status >= 400:
                     resp, payload = result
@@ -404,9 +407,11 @@ class StreamRelay:
                         self._gone(src, out)
                         raise _ClientGone from None
                 return src
-        finally:
+        finally:  # (the client left, or the relay failed: nothing may keep running)
             if reading is not None:
                 _stop_read(reading)
+            if sending is not None:
+                stop_attempt(sending)
 
     async def _write_resumed(self, old: Source, out: web.StreamResponse, chunk: bytes) -> None:
         now = time.monotonic()
