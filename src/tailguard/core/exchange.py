@@ -455,10 +455,8 @@ class Exchange:
                 or copy is not self.committed:
             return NONE
         state = copy.ticket.node.state
-        silent: float | None = None
         if cfg.on_stall and silent_s > 0.0 and silent_s >= self.stall_after(copy):
             cause = "stall"
-            silent = silent_s
         elif cfg.on_node_state and (state in LEAVE_NOW or (
                 cfg.on_degraded and state is NodeState.DEGRADED
                 and copy.was is not NodeState.DEGRADED)) \
@@ -466,7 +464,7 @@ class Exchange:
             cause = state.value
         else:
             return NONE
-        return self._move(now, (copy.after or 0) + tokens, cause, silent)
+        return self._move(now, (copy.after or 0) + tokens, cause)
 
     def stall_after(self, copy: Copy) -> float:
         """Seconds without a token after which ``copy``'s stream counts as stalled
@@ -634,19 +632,10 @@ class Exchange:
             return math.inf
         return r.max_tokens - (copy.after or 0) - tokens
 
-    def _move(self, now: float, tokens: int, cause: str,
-              silent_s: float | None = None) -> tuple[Action, ...]:
+    def _move(self, now: float, tokens: int, cause: str) -> tuple[Action, ...]:
         """A continuation after ``tokens`` answer tokens, to the node the policy picks
         for the prompt plus those tokens (not one tried), within the request's
-        limit, the pool's budget and the request's time; none: nothing.
-
-        A stalled stream (``silent_s`` so far) moves only once it has waited as long
-        as its continuation is expected to take to its first token: the rule of
-        ski rental (rent until renting has cost what buying does), which never
-        costs more than twice the best choice made knowing when the stall ends.
-        It keeps short stalls from sending a burst of re-prefills to the other
-        nodes (each stream that moves recomputes its prompt and answer there),
-        and as continuations queue up, the later ones of a burst wait longer."""
+        limit, the pool's budget and the request's time; none: nothing."""
         cfg = self.migration
         r = self.request
         if cfg is None or self.moves >= cfg.max_per_request or self._time_left(now) <= 0.0:
@@ -661,8 +650,7 @@ class Exchange:
         b = self.balancer
         ticket = b.pick(r.model, r.prompt_tokens + tokens, now, left, r.priority, self._avoid(),
                         r.prefix, r.session)
-        if ticket is None or not self._has_time(ticket, now) \
-                or (silent_s is not None and silent_s < self._needs_s(ticket, 0.0)):
+        if ticket is None or not self._has_time(ticket, now):
             if ticket is not None:
                 b.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
             self.move_budget.refund()
