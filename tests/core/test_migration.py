@@ -167,8 +167,8 @@ def test_the_client_leaving_during_a_migration(settled: list[Balancer]) -> None:
 
 def test_the_budget_and_the_per_request_limit_bound_migrations(
         settled: list[Balancer]) -> None:
-    # No per-second trickle, 0.5 per request: two requests fund one move.
-    b = balancer(migration=MigrationConfig(budget=0.5, min_per_s=0.0))
+    # No per-second trickle, 0.5 per request, one saved: two requests fund one move.
+    b = balancer(migration=MigrationConfig(budget=0.5, min_per_s=0.0, burst=1))
     settled.append(b)
     ex1, old1 = streaming(b)
     ex2, old2 = streaming(b)

@@ -81,6 +81,7 @@ MigrationBlock = block_for(MigrationConfig, bounds={
     "max_per_request": {"ge": 0},
     "budget": {"ge": 0.0, "le": 1.0},  # a share of requests
     "min_per_s": {"ge": 0.0},
+    "burst": {"ge": 0},
 })
 
 __all__ = ["AdmissionBlock", "HedgingBlock", "LimitsBlock", "MigrationBlock", "OutliersBlock",

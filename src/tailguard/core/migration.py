@@ -31,7 +31,9 @@ Triggers (:class:`MigrationConfig`):
 
 Bounds: ``max_per_request`` continuations per request, and a budget of
 ``budget`` continuations per request arrived (plus ``min_per_s`` per second,
-as the retry budget), so a fleet-wide slowdown cannot become a storm of
+as the retry budget) that starts with ``burst`` saved and saves no more, so
+that one node's batch can move at once when it dies while a fleet-wide
+slowdown, or a node that stalls again and again, cannot become a storm of
 re-prefills.
 
 Worked example (the defaults, Llama-3.1-8B): an A100's longest healthy step
@@ -80,12 +82,17 @@ class MigrationConfig:
     max_per_request: int = 2
     budget: float = 0.02  # continuations per request arrived
     min_per_s: float = 1.0
+    # Continuations that may go at once: a node's whole batch when it dies or hangs.
+    # The budget starts with this much and saves up no more.
+    burst: int = 200
     # The gateway marks a move in the stream with an SSE comment, which clients
     # skip (off: a plain OpenAI stream).
     announce: bool = False
 
     def new_budget(self) -> RetryBudget:
-        return RetryBudget(self.budget, self.min_per_s)
+        budget = RetryBudget(self.budget, self.min_per_s, cap=float(self.burst))
+        budget.balance = float(self.burst)
+        return budget
 
 
 __all__ = ["LEAVE_NOW", "STALL_SLOWDOWN_CAP", "MigrationConfig"]
