@@ -15,6 +15,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gateway_fakes import free_port
@@ -38,6 +39,19 @@ def find_engine() -> tuple[Path, Path]:
     if os.environ.get("REQUIRE_REAL_ENGINES") == "1":
         pytest.fail(message)
     pytest.skip(message)
+
+
+def fleet_doc(servers: list[LlamaServer], idle_s: float) -> dict[str, Any]:
+    """A fleet file for a gateway in front of ``servers`` (``cpu-0``, ``cpu-1``...)."""
+    return {
+        "listen": "127.0.0.1:0",
+        "nodes": [{"id": f"cpu-{i}", "url": s.url, "gpu": "llama-cpu", "models": [MODEL_NAME],
+                   "max_num_seqs": s.slots} for i, s in enumerate(servers)],
+        "pools": {MODEL_NAME: {"policy": "tailguard",
+                               "timeouts": {"connect_s": 1.0, "first_byte_s": 10.0,
+                                            "idle_s": idle_s, "total_s": 60.0}}},
+        "scrape": {"interval_s": 0.5},
+    }
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 from gateway_fakes import wait_for
-from llama_servers import MODEL_NAME, LlamaServer, find_engine
+from llama_servers import MODEL_NAME, LlamaServer, find_engine, fleet_doc
 
 from tailguard.config.fleet import parse_fleet
 from tailguard.gateway.app import run_gateway
@@ -29,16 +29,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse
 
 async def _one_stream(servers: list[LlamaServer], fault: Callable[[LlamaServer], None],
                       undo: Callable[[LlamaServer], None] | None) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "listen": "127.0.0.1:0",
-        "nodes": [{"id": f"cpu-{i}", "url": s.url, "gpu": "llama-cpu", "models": [MODEL_NAME],
-                   "max_num_seqs": s.slots} for i, s in enumerate(servers)],
-        "pools": {MODEL_NAME: {"policy": "tailguard",
-                               "timeouts": {"connect_s": 1.0, "first_byte_s": 10.0,
-                                            "idle_s": 30.0, "total_s": 60.0}}},
-        "scrape": {"interval_s": 0.5},
-    }
-    async with run_gateway(parse_fleet(doc)) as gw:
+    # idle_s 30: without migration the frozen stream would end in an error only then
+    async with run_gateway(parse_fleet(fleet_doc(servers, idle_s=30.0))) as gw:
         await wait_for(lambda: all(m.engine == "llamacpp" for m in gw.fleet.monitors.values()),
                        timeout=10.0, what="llama.cpp detected on every node")
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,

@@ -41,11 +41,10 @@ import math
 import random
 import time
 from collections import Counter
-from typing import Any
 
 import openai
 from gateway_fakes import wait_for
-from llama_servers import MODEL_NAME, LlamaServer, find_engine
+from llama_servers import MODEL_NAME, LlamaServer, find_engine, fleet_doc
 
 from tailguard.config.fleet import parse_fleet
 from tailguard.core.fleet import NodeState
@@ -171,16 +170,7 @@ def test_three_llama_servers_behind_the_gateway() -> None:
 
 
 async def _body(servers: list[LlamaServer]) -> None:
-    doc: dict[str, Any] = {
-        "listen": "127.0.0.1:0",
-        "nodes": [{"id": f"cpu-{i}", "url": s.url, "gpu": "llama-cpu", "models": [MODEL_NAME],
-                   "max_num_seqs": s.slots} for i, s in enumerate(servers)],
-        "pools": {MODEL_NAME: {"policy": "tailguard",
-                               "timeouts": {"connect_s": 1.0, "first_byte_s": 10.0,
-                                            "idle_s": 10.0, "total_s": 60.0}}},
-        "scrape": {"interval_s": 0.5},
-    }
-    async with run_gateway(parse_fleet(doc)) as gw:
+    async with run_gateway(parse_fleet(fleet_doc(servers, idle_s=10.0))) as gw:
         fleet = gw.fleet
         await wait_for(lambda: all(m.engine == "llamacpp" for m in fleet.monitors.values()),
                        timeout=10.0, what="llama.cpp detected on every node")

@@ -59,6 +59,19 @@ class SoFar:
     faithful: bool  # a continuation can reproduce it (no tool calls, one choice)
 
 
+def whole_events(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """``pending`` then ``chunk`` split after their last complete event: (the whole
+    events, the partial rest). The usual chunk, whole events and nothing pending,
+    is returned as it is, copied nowhere."""
+    data = pending + chunk if pending else chunk
+    end = data.rfind(_SEP) + len(_SEP)
+    if end < len(_SEP):  # no event ends in it
+        return b"", data
+    if end == len(data):
+        return data, b""
+    return data[:end], data[end:]
+
+
 def _events(data: bytes) -> Iterator[dict[str, Any]]:
     for event in data.split(_SEP):
         for line in event.split(b"\n"):
@@ -90,18 +103,9 @@ class Relayed:
 
     def cut(self, chunk: bytes) -> bytes:
         """What of ``chunk`` to send now: whole events only."""
-        data = self.pending + chunk if self.pending else chunk
-        end = data.rfind(_SEP) + 2
-        if end < 2:  # no event ends in it
-            self.pending = data
-            return b""
-        if end == len(data):  # the usual chunk: whole events, nothing to copy
-            self.pending = b""
-            self.sent.append(data)
-            return data
-        self.pending = data[end:]
-        out = data[:end]
-        self.sent.append(out)
+        out, self.pending = whole_events(self.pending, chunk)
+        if out:
+            self.sent.append(out)
         return out
 
     def flush(self) -> bytes:
@@ -206,14 +210,8 @@ class Rewriter:
 
     def feed(self, chunk: bytes) -> bytes:
         """The rewritten complete events in ``chunk`` (a partial one waits)."""
-        data = self.buf + chunk if self.buf else chunk
-        end = data.rfind(_SEP)
-        if end < 0:
-            self.buf = data
-            return b""
-        end += len(_SEP)
-        self.buf = data[end:]
-        return b"".join(self._event(e) for e in data[:end].split(_SEP) if e.strip())
+        done, self.buf = whole_events(self.buf, chunk)
+        return b"".join(self._event(e) for e in done.split(_SEP) if e.strip())
 
     def flush(self) -> bytes:
         out = self._event(self.buf) if self.buf.strip() else b""

@@ -41,8 +41,9 @@ Worked example (the defaults, Llama-3.1-8B): an A100's longest healthy step
 stream there counts as stalled after 4 x 0.16 = 0.63 s without a token; an
 L4's is 0.40 s (1.6 s), an H100's 0.05 s (the 0.5 s floor). A continuation of
 a 900-token prompt with 300 tokens answered is a 1,200-token prefill elsewhere
-(about 0.1 s on an idle H100), so the client's longest gap is about 0.75 s
-instead of the stall's length. In the simulator's healthy hour (H100, A100, L4
+(0.03 s on an idle H100 by the roofline, 0.09 s on an A100), so the client's
+longest gap is about 0.7 s instead of the stall's length (live, emulated
+A100s frozen for 10 s: 0.53-0.56 s with these short prompts, at the floor). In the simulator's healthy hour (H100, A100, L4
 and T4 at load 0.8) no stream went 0.25 s without a token, so the trigger
 moves nothing there (benchmarks/README.md, "Migration").
 
@@ -60,10 +61,10 @@ from tailguard.core.retry_budget import RetryBudget
 # Node states that end a stream's stay: no new request goes there either.
 LEAVE_NOW = frozenset({NodeState.QUARANTINED, NodeState.DOWN})
 # The most of its class's learned decode slowdown a stall trigger allows for. A
-# class of one node learns its slowdown from that node alone: a hung node would
-# otherwise teach its own trigger to wait through its hangs (a TP-2 H100, alone
-# in its class, with one rank at 0.2% speed: 10 s gaps with the trigger following
-# its class, 1.4 s capped).
+# class of one node learns its slowdown from that node alone, so a node that
+# hangs could teach its own trigger to wait through its hangs. A guard: in the
+# simulator's hung-rank runs (a TP-2 H100 alone in its class) the results were
+# the same with and without it.
 STALL_SLOWDOWN_CAP = 3.0
 
 

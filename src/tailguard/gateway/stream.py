@@ -227,19 +227,18 @@ class StreamRelay:
                               cached_tokens=cached, timed=timed)
         if end.failure is not None:
             self.metrics.upstream_error(src.node.id, end.error)
+            note(origin="engine_error_mid_stream", tokens=self.before + tokens)
             move = _move_of(end.actions)
             if move is not None:
-                note(origin="engine_error_mid_stream", tokens=self.before + tokens)
                 return move
             # The engine ended the stream with its own error event: relayed as it
             # is, but no success.
-            note(origin="engine_error_mid_stream", tokens=self.before + tokens)
             count_answer(self.metrics, call.request, model, end.failure.status)
             await self._end(out, src.held)
             return None
         rest = self.relayed.flush() if self.relayed is not None else b""
         if src.rewriter is not None:
-            rest = src.rewriter.flush() + rest
+            rest += src.rewriter.flush()  # a last event without its blank line
         total = self.before + tokens
         self.metrics.answered(model, src.node.id, src.node.gpu_class, now - call.t0, total,
                               ttft=self.t_first - call.t0, tpot=end.tpot if not ex.moves
@@ -276,10 +275,7 @@ class StreamRelay:
                 chunk = await resp.readany()
                 if not chunk:
                     return
-                now = time.monotonic()
-                if now - self.last > self.max_gap:
-                    self.max_gap = now - self.last
-                self.last = now
+                now = self._arrived()
                 data = self._emit(src, chunk)
                 if now >= tell_at:
                     tell_at = self._progress(src, now)
@@ -354,7 +350,8 @@ class StreamRelay:
                                 stop_attempt(sending)
                                 sending = None
                                 ex.resumed(old.copy, time.monotonic())
-                                await self._write_resumed(old, out, chunk)
+                                self._arrived()
+                                await self._deliver(old, out, self._emit(old, chunk))
                                 return old
                             # it ended (or failed) while the continuation is on its way
                             ex.failed(old.copy, time.monotonic(), Failure(
@@ -393,19 +390,12 @@ class StreamRelay:
                 self.before = move.after
                 src = Source(copy, resp, self.node_of(copy.node_id), Rewriter(so_far))
                 self.sources.append(src)
-                if self.max_gap < now - self.last:
-                    self.max_gap = now - self.last
-                self.last = now
+                self._arrived()
                 data = self._emit(src, payload)
                 cfg = ex.migration
                 if cfg is not None and cfg.announce:
                     data = moved_comment(old.node.id, copy.node_id, move.cause, move.after) + data
-                if data:
-                    try:
-                        await out.write(data)
-                    except ConnectionError:
-                        self._gone(src, out)
-                        raise _ClientGone from None
+                await self._deliver(src, out, data)
                 return src
         finally:  # (the client left, or the relay failed: nothing may keep running)
             if reading is not None:
@@ -413,17 +403,21 @@ class StreamRelay:
             if sending is not None:
                 stop_attempt(sending)
 
-    async def _write_resumed(self, old: Source, out: web.StreamResponse, chunk: bytes) -> None:
+    def _arrived(self) -> float:
+        """A chunk came now: the longest gap between two, kept; returns now."""
         now = time.monotonic()
         if now - self.last > self.max_gap:
             self.max_gap = now - self.last
         self.last = now
-        data = self._emit(old, chunk)
+        return now
+
+    async def _deliver(self, src: Source, out: web.StreamResponse, data: bytes) -> None:
+        """Write what a move's winner sent first (a client gone: every permit back)."""
         if data:
             try:
                 await out.write(data)
             except ConnectionError:
-                self._gone(old, out)
+                self._gone(src, out)
                 raise _ClientGone from None
 
     # -- endings ---------------------------------------------------------------------

@@ -250,8 +250,8 @@ class ClusterSim:
         det = balancer.outliers
         self.judge_pieces = det is not None and det.config.segment_s > 0.0
         self.streaming = StreamReports()
-        # Mid-stream migration: each node's committed streams (copy ids), and the
-        # tokens those of a crashing node had sent.
+        # Mid-stream migration: the streams each node holds, its long steps, the
+        # reviews a gateway's stall clock would make, and each request's longest gap.
         self.moving = self.pool.config.migration.enabled
         self.watch = StreamWatch(self.nodes, self.copies, self.copy_ex, self.copy_node,
                                  self.pool.config.migration.stall_floor_s, self._do,
