@@ -143,7 +143,12 @@ class Learner:
             if not pre.released:
                 self.finish(pre, now, Outcome.CLIENT_CANCELLED, 0)
         if ticket.pending_prefill:
-            self.learn_prefill(ticket, cached_tokens)
+            if cached_tokens is None and outcome is not Outcome.OK:
+                # Cut off before its engine said what it cached (a stream that failed,
+                # was left, or was moved to another node): nothing to learn or presume.
+                ticket.pending_prefill = False
+            else:
+                self.learn_prefill(ticket, cached_tokens)
         prefilling = ticket.t_first < 0.0 and not ticket.presumed
         node.released(ticket.backlog, prefilling, ticket.prompt_tokens, now)
         if ticket.due != math.inf or ticket.t_first >= 0.0:
