@@ -104,6 +104,42 @@ def test_the_stalled_stream_resuming_first_wins_the_race(settled: list[Balancer]
     assert (ex.ended, ex.move_result) == ("ok", "resumed")
 
 
+def test_a_stream_leaving_its_node_does_not_go_back_to_it(settled: list[Balancer]) -> None:
+    """Moved for its node's state: the old copy's next chunk ends it (the driver
+    drops that chunk) and the continuation carries on from where the client is."""
+    b = balancer()
+    settled.append(b)
+    ex, old = streaming(b)
+    b.nodes["n0"].state = NodeState.QUARANTINED
+    m = migrated(ex.review(old, 2.0, 10, 0.0))
+    assert ex.resumed(old, 2.05) == (Cancel(old),)  # it still streams: cut there
+    assert ex.phase is Phase.MOVING and b.nodes["n0"].in_flight == 0
+    assert ex.resumed(old, 2.1) == () and ex.failed(old, 2.2, RESET, 12) == ()  # ended
+    assert ex.first_chunk(m.copy, 2.4) == ()  # nothing left to cancel
+    ex.finished(m.copy, 5.0, Outcome.OK, 490)
+    assert (ex.ended, ex.move_result) == ("ok", "moved")
+    b.nodes["n0"].state = NodeState.HEALTHY
+    # cut, then the continuation fails: nothing to fall back to, another move
+    ex, old = streaming(b)
+    b.nodes[old.node_id].state = NodeState.QUARANTINED
+    m = migrated(ex.review(old, 3.0, 40, 0.0))
+    assert ex.resumed(old, 3.2) == (Cancel(old),)
+    m2 = migrated(ex.failed(m.copy, 3.5, RESET))
+    assert (m2.after, m2.cause) == (40, "failure")
+    ex.first_chunk(m2.copy, 3.8)
+    ex.finished(m2.copy, 6.0, Outcome.OK, 460)
+    assert (ex.ended, ex.moves) == ("ok", 2)
+    b.nodes[old.node_id].state = NodeState.HEALTHY
+    # stalled, then quarantined while its continuation is on the way: a stall's
+    # race is won by the token in hand, whatever the node's state
+    ex, old = streaming(b)
+    m = migrated(ex.review(old, 3.0, 40, 5.0))
+    b.nodes[old.node_id].state = NodeState.QUARANTINED
+    assert ex.resumed(old, 3.2) == (Cancel(m.copy),)
+    ex.finished(old, 6.0, Outcome.OK, 500)
+    b.nodes[old.node_id].state = NodeState.HEALTHY
+
+
 def test_a_failure_mid_stream_moves_instead_of_failing(settled: list[Balancer]) -> None:
     b = balancer(migration=MigrationConfig(min_per_s=10.0))  # budget for two moves at once
     settled.append(b)
@@ -216,6 +252,14 @@ def test_a_node_leaving_service_moves_its_long_streams(settled: list[Balancer]) 
     ex.first_chunk(m.copy, 3.2)
     ex.finished(m.copy, 5.0, Outcome.OK, 490)
     b.nodes["n0"].state = NodeState.HEALTHY
+    # flowing fast on a quarantined node (a hang that ended): it ends sooner where it
+    # is than a continuation would, so it stays
+    ex, old = streaming(b, max_tokens=1000)
+    b.nodes[old.node_id].state = NodeState.QUARANTINED
+    assert ex.review(old, 2.0, 800, 0.0) == ()  # 1.25 ms a token, 200 left
+    assert ex.review(old, 30.0, 801, 0.0) != ()  # 36 ms a token: a continuation is sooner
+    ex.client_gone(30.1)
+    b.nodes[old.node_id].state = NodeState.HEALTHY
     # too little left: the remainder finishes sooner where it is
     ex, old = streaming(b, max_tokens=100)
     b.nodes[old.node_id].state = NodeState.QUARANTINED

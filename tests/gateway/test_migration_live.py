@@ -7,7 +7,10 @@ streams run on it. Every stream must reach its end as one well-formed
 stream: no error event, one role delta, one finish reason, the content
 chunks the usage counts, and the whole ``max_tokens``; and the longest gap a
 client saw between two chunks must be the stall trigger plus a
-continuation's first token, not the freeze.
+continuation's first token, not the freeze. A node slowed to a tenth and then
+quarantined under streams that still flow: they leave it (a continuation is
+expected to end them sooner), and the client never gets a chunk of the old
+node after the point its continuation was asked to follow.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import yaml
 from emulated_procs import engine_process, wait_listening
 from gateway_fakes import free_port, wait_for
 
 from tailguard.config.fleet import load_fleet
+from tailguard.core.fleet import Actor, NodeState
 from tailguard.gateway.app import RunningGateway, run_gateway
 
 MAX_TOKENS = 160
@@ -142,6 +147,17 @@ def _run(tmp: Path, fault: str) -> tuple[Streams, RunningGateway, dict[str, floa
                     proc.send_signal(signal.SIGSTOP)
                     await asyncio.sleep(10.0)
                     proc.send_signal(signal.SIGCONT)
+                elif fault == "quarantine":  # slowed to a tenth, then quarantined (as a
+                    # leader replica's detector publishes it)
+                    async with aiohttp.ClientSession() as s, s.post(
+                            f"http://127.0.0.1:{ports[int(victim[1:])]}/admin/faults",
+                            json={"kind": "throttle", "factor": 0.1}) as r:
+                        assert r.status == 200, await r.text()
+                    await asyncio.sleep(0.3)  # (its streams show their new pace)
+                    b = gw.fleet.balancer
+                    b.set_state(victim, NodeState.QUARANTINED, Actor.LEADER)
+                    await asyncio.sleep(3.0)
+                    b.set_state(victim, NodeState.HEALTHY, Actor.LEADER)
                 else:
                     proc.kill()
                     proc.wait(timeout=10)
@@ -181,3 +197,13 @@ def test_a_node_killed_mid_stream_moves_its_streams(tmp_path: Path) -> None:
     streams, _, seen = _run(tmp_path, "kill")
     assert not streams.errors, streams.errors[:5]
     assert seen.get("failure/moved", 0) >= 1, seen
+
+
+def test_streams_leave_a_quarantined_node_without_going_back(tmp_path: Path) -> None:
+    """The old streams keep sending, slowly, while their continuations start: each is
+    cut at its next chunk (a chunk of it delivered too would make one token too
+    many)."""
+    streams, _, seen = _run(tmp_path, "quarantine")
+    assert not streams.errors, streams.errors[:5]
+    assert seen.get("quarantined/moved", 0) >= 1, seen
+    assert not seen.get("quarantined/resumed"), seen

@@ -155,6 +155,8 @@ def test_dashboard_page_and_state_feed() -> None:
             node = next(n for n in state["nodes"] if n["tpot_s"] is not None)
             assert node["limit"] == 256 and node["slo_tpot_s"] == 0.1
             assert state["pools"][0]["states"] == {"healthy": 2}
+            assert state["pools"][0]["migrations"] == {}  # no stream has moved
+            assert {n["role"] for n in state["nodes"]} == {"both"}
             assert state["events"] == []
 
             # A state change made outside the balancer's tick shows up as an event.

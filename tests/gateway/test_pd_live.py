@@ -2,7 +2,8 @@
 decode nodes, emulated engines that speak the protocol, the official openai
 client. Long prompts are computed on a prefill node and pulled by a decode node;
 short ones stay on their decode node; a dead prefill node costs the client
-nothing; every permit ends once."""
+nothing; a decode node that dies or stalls mid-answer hands its streams to
+another pair; every permit ends once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import openai
+import pytest
+from gateway_fakes import wait_for
 
 from tailguard.config.fleet import parse_fleet
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
@@ -145,6 +148,73 @@ def test_a_dead_decode_node_and_a_refused_prompt() -> None:
             finally:
                 await client.close()
             assert gw.fleet.in_flight() == 0
+            assert gw.fleet.balancer.double_release == 0
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+async def watched(client: openai.AsyncOpenAI, i: int, max_tokens: int,
+                  chunks: list[int]) -> tuple[int, int, int, int]:
+    """A long prompt's stream read to its end: (role deltas, content chunks, finish
+    reasons, completion tokens); ``chunks[i]`` counts its chunks as they come."""
+    out = await client.chat.completions.create(
+        model=MODEL, messages=long(100 + i), max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True})
+    roles = content = finishes = 0
+    usage = None
+    async for chunk in out:
+        chunks[i] += 1
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            roles += bool(choice.delta.role)
+            content += bool(choice.delta.content)
+            finishes += bool(choice.finish_reason)
+    assert usage is not None
+    return roles, content, finishes, usage.completion_tokens
+
+
+@pytest.mark.parametrize("kind", ["crash", "stall"])
+def test_a_decode_node_failing_mid_stream_hands_its_streams_to_another_pair(kind: str) -> None:
+    """A decode node crashes (or stalls) under streams that have started: each goes on
+    from another decode node, its continuation's prompt (the long prompt plus the
+    answer so far) computed on a prefill node and pulled as any other, and the
+    client reads one whole answer."""
+    async def body() -> None:
+        async with pd_fleet() as (gw, emu):
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x",
+                                        max_retries=0)
+            chunks = [0] * 4
+            try:
+                tasks = [asyncio.create_task(watched(client, i, 400, chunks))
+                         for i in range(4)]
+                nodes = gw.fleet.balancer.nodes
+                while max(nodes["dec0"].decoding, nodes["dec1"].decoding) == 0 \
+                        or min(chunks) < 5:
+                    await asyncio.sleep(0.01)
+                victim = max(("dec0", "dec1"), key=lambda n: nodes[n].decoding)
+                other = "dec1" if victim == "dec0" else "dec0"
+                pulled = emu.server(other).kv_received
+                fault = {"kind": "crash", "duration_s": 60} if kind == "crash" \
+                    else {"kind": "stall", "seconds": 20}
+                emu.server(victim).inject(parse_fault(fault))
+                got = await asyncio.gather(*tasks)
+                # one role delta, one finish, every token once (a chunk of the old
+                # node after the seam would be one too many)
+                assert got == [(1, 400, 1, 400)] * 4, (kind, got)
+                assert emu.server(other).kv_received > pulled  # a continuation, P/D
+            finally:
+                await client.close()
+            reg = gw.metrics.registry
+            cause = "failure" if kind == "crash" else "stall"
+            assert reg.get_sample_value("tailguard_migrations_total", {
+                "pool": MODEL, "cause": cause, "result": "moved"}), kind
+            async with aiohttp.ClientSession() as s, \
+                    s.get(gw.url + "/dashboard/state") as r:
+                state = await r.json()
+            assert state["pools"][0]["migrations"].get(f"{cause}/moved", 0) >= 1, state
+            assert {n["id"]: n["role"] for n in state["nodes"]} == \
+                {k: v[1] for k, v in ROLES.items()}
+            await wait_for(lambda: gw.fleet.in_flight() == 0, timeout=5.0, what="drained")
             assert gw.fleet.balancer.double_release == 0
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -455,16 +455,22 @@ class Exchange:
                 or copy is not self.committed:
             return NONE
         state = copy.ticket.node.state
+        after = (copy.after or 0) + tokens
         if cfg.on_stall and silent_s > 0.0 and silent_s >= self.stall_after(copy):
-            cause = "stall"
-        elif cfg.on_node_state and (state in LEAVE_NOW or (
+            return self._move(now, after, "stall")
+        if not cfg.on_node_state or not (state in LEAVE_NOW or (
                 cfg.on_degraded and state is NodeState.DEGRADED
-                and copy.was is not NodeState.DEGRADED)) \
-                and self._left(copy, tokens) >= cfg.min_remaining_tokens:
-            cause = state.value
-        else:
+                and copy.was is not NodeState.DEGRADED)):
             return NONE
-        return self._move(now, (copy.after or 0) + tokens, cause)
+        left = self._left(copy, tokens)
+        if left < cfg.min_remaining_tokens:
+            return NONE
+        if left == math.inf:  # an answer of unknown length: what an answer has left on average
+            left = max(copy.ticket.pool.mean_output - after, float(cfg.min_remaining_tokens))
+        # Where it streams still, it stays unless the move is expected to end it sooner:
+        # its own pace so far against the pick's first token and pace.
+        pace = (now - copy.ticket.t_first) / max(tokens, 1)
+        return self._move(now, after, state.value, (left, left * pace))
 
     def stall_after(self, copy: Copy) -> float:
         """Seconds without a token after which ``copy``'s stream counts as stalled
@@ -486,11 +492,25 @@ class Exchange:
         return max(cfg.stall_floor_s, cfg.stall_factor * step * slowdown)
 
     def resumed(self, copy: Copy, now: float) -> tuple[Action, ...]:
-        """The stalled ``copy`` sent data again before its continuation's first token:
-        it wins their race, the continuation is cancelled."""
+        """The moved ``copy`` sent data again before its continuation's first token.
+
+        After a stall it wins their race (a token in hand beats a continuation
+        that may queue for its first on a fleet short of the stalled node): the
+        continuation is cancelled and the stream goes on from ``copy``. A stream
+        moved because its node left healthy service still flows, so its next
+        chunk is no sign the node recovered: the continuation carries on, ``copy``
+        ends (:class:`Cancel`) and the driver drops what it sent, so the client
+        never holds more than the continuation was asked to follow."""
         if self.phase is not Phase.MOVING or copy is not self.committed \
                 or copy.state != COMMITTED:
             return NONE
+        causes = self.move_causes
+        cont = self._live()
+        if cont is not None and causes is not None and causes[-1] != "stall":
+            copy.state = ENDED
+            self.balancer.on_finish(copy.ticket, now, Outcome.CLIENT_CANCELLED,
+                                    (cont.after or 0) - (copy.after or 0), timed=False)
+            return (Cancel(copy),)
         self._to(Phase.STREAMING)
         self.move_result = "resumed"
         out = []
@@ -632,10 +652,13 @@ class Exchange:
             return math.inf
         return r.max_tokens - (copy.after or 0) - tokens
 
-    def _move(self, now: float, tokens: int, cause: str) -> tuple[Action, ...]:
+    def _move(self, now: float, tokens: int, cause: str,
+              stay: tuple[float, float] | None = None) -> tuple[Action, ...]:
         """A continuation after ``tokens`` answer tokens, to the node the policy picks
         for the prompt plus those tokens (not one tried), within the request's
-        limit, the pool's budget and the request's time; none: nothing."""
+        limit, the pool's budget and the request's time; none: nothing. ``stay``:
+        the answer tokens left and the seconds they would take where they are; the
+        continuation must be expected to take less."""
         cfg = self.migration
         r = self.request
         if cfg is None or self.moves >= cfg.max_per_request or self._time_left(now) <= 0.0:
@@ -650,7 +673,8 @@ class Exchange:
         b = self.balancer
         ticket = b.pick(r.model, r.prompt_tokens + tokens, now, left, r.priority, self._avoid(),
                         r.prefix, r.session)
-        if ticket is None or not self._has_time(ticket, now):
+        if ticket is None or not self._has_time(ticket, now) \
+                or (stay is not None and self._needs_s(ticket, stay[0]) >= stay[1]):
             if ticket is not None:
                 b.on_finish(ticket, now, Outcome.CLIENT_CANCELLED, 0)  # never sent
             self.move_budget.refund()
@@ -775,6 +799,12 @@ class Exchange:
             raise RuntimeError(f"exchange ended twice ({self.ended}, then {how})")
         self._to(Phase.ENDED)
         self.ended = how
+        if self.moves:  # counted per cause, under the move's result (as the gateway's metric)
+            tally = self.copies[0].ticket.pool.moved
+            result = self.move_result or "failed"
+            for cause in self.move_causes or ():
+                key = f"{cause}/{result}"
+                tally[key] = tally.get(key, 0) + 1
         if self._pending_5xx:  # ended without another node's answer (gone, or a 4xx)
             self.verdict = ("unknown", len(self._pending_5xx))
             self._pending_5xx = None

@@ -20,9 +20,15 @@ Triggers (:class:`MigrationConfig`):
   other is cancelled, so a stall that ends on its own costs one cancelled
   prefill, never a worse answer.
 * **node left service** while the stream ran: its node turned quarantined or
-  down (the balancer sends it nothing new either), and at least
-  ``min_remaining_tokens`` are left to generate (a short remainder finishes
-  sooner where it is than a re-prefill elsewhere takes). With ``on_degraded``,
+  down (the balancer sends it nothing new either), at least
+  ``min_remaining_tokens`` are left to generate, and the move is expected to
+  end the answer sooner: what is left at the stream's own pace so far, against
+  the pick's predicted first token and pace for it (a hang that has ended
+  leaves its node quarantined with streams flowing fast again: moving those
+  into a fleet the hang left overloaded made gaps of 10-20 s in the simulator's
+  hung-rank runs). Such a stream still flows, so the old copy's next chunk is
+  no sign of recovery: it is cut there and the continuation goes on (the stall
+  race does not apply). With ``on_degraded``,
   also a node degraded after the stream began: off by default, because a
   degraded node is still serving at a lower weight and moving all its streams
   at once is a burst of re-prefills on the others (a TP-4 replica with one GPU

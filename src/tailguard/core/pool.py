@@ -157,8 +157,8 @@ class Pool:
     """Live state of one pool: its nodes, policy and request statistics."""
 
     __slots__ = ("_eligible", "budget", "config", "disaggregated", "dispatch_hook", "hedger",
-                 "limited", "link_slowness", "links", "mean_output", "mean_prompt", "moves", "name",
-                 "nodes", "pairs", "policy", "prefix", "queue")
+                 "limited", "link_slowness", "links", "mean_output", "mean_prompt", "moved", "moves",
+                 "name", "nodes", "pairs", "policy", "prefix", "queue")
 
     def __init__(self, config: PoolConfig, policy: Policy, pairs: PairPolicy | None = None,
                  link_slowness: dict[tuple[str, str], float] | None = None) -> None:
@@ -184,6 +184,7 @@ class Pool:
         self.budget: RetryBudget = config.retries.new_budget()
         self.hedger: Hedger | None = Hedger(config.hedging) if config.hedging.enabled else None
         self.moves: RetryBudget = config.migration.new_budget()  # its streams' continuations
+        self.moved: dict[str, int] = {}  # ended streams that moved, by "cause/result"
         # A policy that keeps its own record of where requests went (cache_aware).
         self.dispatch_hook: Callable[[str, RequestInfo], None] | None = getattr(
             policy, "on_dispatch", None)

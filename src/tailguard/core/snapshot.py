@@ -91,6 +91,7 @@ class PoolSnapshot:
     queue_depth: int  # 0 without a queue
     shed_total: Mapping[str, int]  # by reason
     capacity_tokens_per_s: float  # its routable nodes', together
+    moved: Mapping[str, int]  # ended streams that moved, by "cause/result"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ def snapshot(nodes: Mapping[str, Node], pools: Mapping[str, Pool],
         pool_snaps[name] = PoolSnapshot(
             name, pool.config, tuple(n.id for n in pool.nodes), states,
             queue.length if queue is not None else 0,
-            dict(queue.shed_total) if queue is not None else {}, cap)
+            dict(queue.shed_total) if queue is not None else {}, cap, dict(pool.moved))
     return FleetSnapshot(now, node_snaps, pool_snaps, double_release)
 
 

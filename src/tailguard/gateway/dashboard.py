@@ -167,6 +167,7 @@ class Dashboard:
                 "queue_depth": pool.queue_depth,
                 "shed_total": sum(pool.shed_total.values()),
                 "capacity_tokens_per_s": round(pool.capacity_tokens_per_s, 1),
+                "migrations": pool.moved,
             })
         classes: dict[str, dict[str, Any]] = {}
         for n in nodes:
@@ -192,6 +193,7 @@ class Dashboard:
         return {
             "id": n.id,
             "gpu": n.gpu_class,
+            "role": n.spec.role,
             "state": n.state.value,
             "pool": pool.name if pool is not None else None,
             "in_flight": n.in_flight,

@@ -18,7 +18,9 @@ A move (:class:`~tailguard.core.exchange.Migrate`) sends the continuation
 (:mod:`tailguard.adapters.splice`) and, where the stalled copy still runs,
 races them: the stalled copy's next chunk wins (:meth:`Exchange.resumed`) and
 the continuation is cancelled, or the continuation's first chunk wins and the
-stalled copy is cancelled. The winner's bytes are then relayed, the
+stalled copy is cancelled. A stream moved because its node left healthy
+service never goes back: the old copy's next chunk is dropped and the old copy
+ended. The winner's bytes are then relayed, the
 continuation's rewritten into the original stream's events. A failure,
 whether of a stream or of a continuation, goes to the exchange, which answers
 with another move or the end (an SSE error event).
@@ -277,8 +279,6 @@ class StreamRelay:
                     return
                 now = self._arrived()
                 data = self._emit(src, chunk)
-                if now >= tell_at:
-                    tell_at = self._progress(src, now)
                 watchdog.touch()
                 if data:
                     watchdog.writing = True
@@ -289,6 +289,8 @@ class StreamRelay:
                     watchdog.writing = False
                 if src.held:
                     return  # an engine error event: its stream ends there
+                if now >= tell_at:  # (after the write: a move follows what the client has)
+                    tell_at = self._progress(src, now)
 
     def _progress(self, src: Source, now: float) -> float:
         """The stream's progress for the detector (``Exchange.streaming``), while its
@@ -346,18 +348,21 @@ class StreamRelay:
                         if reading is not None and reading in done:
                             task, reading = reading, None
                             chunk = _result(task)
-                            if chunk:  # the stalled copy came back first: it wins
-                                stop_attempt(sending)
-                                sending = None
+                            if chunk:
                                 ex.resumed(old.copy, time.monotonic())
-                                self._arrived()
-                                await self._deliver(old, out, self._emit(old, chunk))
-                                return old
-                            # it ended (or failed) while the continuation is on its way
-                            ex.failed(old.copy, time.monotonic(), Failure(
-                                Outcome.CONNECT_FAILURE, 502, f"node {old.node.id} failed "
-                                "in the middle of the stream", "upstream_disconnected"),
-                                old.counter.output_tokens())
+                                if old.copy.state != COMMITTED:  # leaving its node: dropped
+                                    old.resp.close()
+                                else:  # the stalled copy came back first: it wins
+                                    stop_attempt(sending)
+                                    sending = None
+                                    self._arrived()
+                                    await self._deliver(old, out, self._emit(old, chunk))
+                                    return old
+                            else:  # it ended (or failed) with the continuation on its way
+                                ex.failed(old.copy, time.monotonic(), Failure(
+                                    Outcome.CONNECT_FAILURE, 502, f"node {old.node.id} "
+                                    "failed in the middle of the stream",
+                                    "upstream_disconnected"), old.counter.output_tokens())
                         if sending in done:
                             result = sending.result()
                             sending = None

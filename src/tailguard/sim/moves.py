@@ -13,7 +13,8 @@ stall floor a review is scheduled for ``start + stall_after``: the committed
 streams on that node that have been silent that long are reported to their
 exchange (``Exchange.review``), which may move them. A moved stream whose
 stalled step then ends before its continuation's first token resumed first
-(``Exchange.resumed``), as live.
+(``Exchange.resumed``), as live; one moved for its node's state is cut there
+instead.
 
 The gaps: a request's longest gap is the longest logged step inside the window
 where its answer came from one node, cut at the window's end, and, where it
@@ -182,8 +183,10 @@ class StreamWatch:
                 and span[0] == self.last_token.get(cid):
             self.push(span[1], cid, RESUME)  # the stall was made longer
             return
-        self.last_token.pop(cid, None)
-        self.do(ex, ex.resumed(copy, now), now)
+        actions = ex.resumed(copy, now)
+        if copy.state == COMMITTED:  # it won: its tokens reach the client again
+            self.last_token.pop(cid, None)
+        self.do(ex, actions, now)
 
     def states(self, state_of: Callable[[int], NodeState], now: float) -> None:
         """At a tick: the streams on nodes that left healthy service, to their exchanges."""
@@ -204,6 +207,9 @@ class StreamWatch:
                 except KeyError:
                     continue
                 self.do(ex, ex.review(copy, now, tokens, 0.0), now)
+                if _moving(ex):  # it leaves a node still streaming: cut at its next token
+                    span = eng.step_span(now)
+                    self.push(span[1] if span is not None else now, cid, RESUME)
 
     def ended(self, copies: Sequence[Copy]) -> None:
         for c in copies:
