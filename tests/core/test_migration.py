@@ -199,6 +199,7 @@ def test_the_client_leaving_during_a_migration(settled: list[Balancer]) -> None:
     m = migrated(ex.review(old, 3.0, 40, 5.0))
     assert ex.client_gone(3.2, 40) == (Cancel(m.copy),)
     assert ex.ended == "client_gone" and ex.in_flight == 0
+    assert ex.move_result == "gone" and b.pools[MODEL].moved == {"stall/gone": 1}
 
 
 def test_the_budget_and_the_per_request_limit_bound_migrations(

@@ -29,8 +29,9 @@ import yaml
 from emulated_procs import engine_process, wait_listening
 from gateway_fakes import free_port, wait_for
 
-from tailguard.config.fleet import load_fleet
+from tailguard.config.fleet import load_fleet, parse_fleet
 from tailguard.core.fleet import Actor, NodeState
+from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
 
 MAX_TOKENS = 160
@@ -149,15 +150,18 @@ def _run(tmp: Path, fault: str) -> tuple[Streams, RunningGateway, dict[str, floa
                     proc.send_signal(signal.SIGCONT)
                 elif fault == "quarantine":  # slowed to a tenth, then quarantined (as a
                     # leader replica's detector publishes it)
-                    async with aiohttp.ClientSession() as s, s.post(
-                            f"http://127.0.0.1:{ports[int(victim[1:])]}/admin/faults",
-                            json={"kind": "throttle", "factor": 0.1}) as r:
-                        assert r.status == 200, await r.text()
-                    await asyncio.sleep(0.3)  # (its streams show their new pace)
-                    b = gw.fleet.balancer
-                    b.set_state(victim, NodeState.QUARANTINED, Actor.LEADER)
-                    await asyncio.sleep(3.0)
-                    b.set_state(victim, NodeState.HEALTHY, Actor.LEADER)
+                    faults = f"http://127.0.0.1:{ports[int(victim[1:])]}/admin/faults"
+                    async with aiohttp.ClientSession() as s:
+                        async with s.post(faults, json={"kind": "throttle",
+                                                        "factor": 0.1}) as r:
+                            assert r.status == 200, await r.text()
+                        await asyncio.sleep(0.3)  # (its streams show their new pace)
+                        b = gw.fleet.balancer
+                        b.set_state(victim, NodeState.QUARANTINED, Actor.LEADER)
+                        await asyncio.sleep(1.5)
+                        async with s.delete(faults) as r:
+                            assert r.status == 200, await r.text()
+                        b.set_state(victim, NodeState.HEALTHY, Actor.LEADER)
                 else:
                     proc.kill()
                     proc.wait(timeout=10)
@@ -207,3 +211,45 @@ def test_streams_leave_a_quarantined_node_without_going_back(tmp_path: Path) -> 
     assert not streams.errors, streams.errors[:5]
     assert seen.get("quarantined/moved", 0) >= 1, seen
     assert not seen.get("quarantined/resumed"), seen
+
+
+def test_a_client_leaving_while_its_stream_moves() -> None:
+    """The client closes its stream after a stall moved it and before the
+    continuation's first token (the other node is paused too): the continuation is
+    stopped at its engine, every permit ends once, the move counts as ``gone``.
+    Engines in this process (their stalls are injected, not signalled)."""
+
+    async def body() -> None:
+        nodes = [EmulatedNode(f"n{i}", "A100-80GB", models=("m",)) for i in range(2)]
+        async with run_emulator(nodes) as emu:
+            cfg = parse_fleet({
+                "listen": "127.0.0.1:0",
+                "nodes": [{"id": n.id, "url": emu.urls[n.id], "gpu": "A100", "models": ["m"]}
+                          for n in nodes],
+                "pools": {"m": {"policy": "tailguard",
+                                "migration": {"budget": 1.0, "min_per_s": 20.0}}},
+            })
+            async with run_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+                b = gw.fleet.balancer
+                resp = await s.post(gw.url + "/v1/chat/completions", json={
+                    "model": "m", "messages": MSG, "max_tokens": 400, "stream": True})
+                assert resp.status == 200
+                for _ in range(5):  # the stream is under way
+                    await resp.content.readline()
+                victim = next(n for n in ("n0", "n1") if b.nodes[n].decoding)
+                other = "n1" if victim == "n0" else "n0"
+                emu.server(other).inject(parse_fault({"kind": "stall", "seconds": 3}))
+                emu.server(victim).inject(parse_fault({"kind": "stall", "seconds": 3}))
+                await wait_for(lambda: b.nodes[other].in_flight == 1, timeout=5.0,
+                               what="the continuation sent")
+                resp.close()  # the client leaves mid-move
+                await wait_for(lambda: gw.fleet.in_flight() == 0, timeout=5.0, what="drained")
+                assert b.double_release == 0
+                assert gw.metrics.registry.get_sample_value("tailguard_migrations_total", {
+                    "pool": "m", "cause": "stall", "result": "gone"}) == 1
+                for n in nodes:  # both copies stopped at their engines
+                    eng = emu.server(n.id).driver.engine
+                    await wait_for(lambda eng=eng: eng.num_running + eng.num_waiting == 0,
+                                   timeout=5.0, what=f"{n.id}'s engine idle")
+
+    asyncio.run(asyncio.wait_for(body(), 30))

@@ -526,6 +526,8 @@ class Exchange:
         """The client left (disconnected, or read too slowly): stop everything."""
         if self.phase is Phase.ENDED:
             return NONE
+        if self.phase is Phase.MOVING:
+            self.move_result = "gone"  # its client left before the continuation took over
         b = self.balancer
         if self.waiter is not None:
             b.cancel_queued(self.waiter)

@@ -190,6 +190,9 @@ class StreamRelay:
                     await self._failed(src, out, nxt.failure)
                     return out
                 src = nxt
+        except BaseException:  # cancelled: the client went away (counted before the moves)
+            ex.client_gone(time.monotonic(), src.counter.output_tokens())
+            raise
         finally:
             served = ex.ended == "ok" or ex.ended == "client_error"
             for s in self.sources:
