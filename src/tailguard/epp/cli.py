@@ -33,10 +33,6 @@ def cmd_epp(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     config = load_fleet(args.config)
-    for node in config.nodes:
-        if node.core.role != "both":  # a data plane sends each request to one endpoint
-            raise ConfigError(f"nodes.{node.id}.role", "the endpoint picker serves nodes that "
-                              "do both phases; disaggregated roles need tailguard serve")
     http_host, http_port = config.listen
     if args.listen:
         http_host, http_port = parse_listen(args.listen, "--listen")

@@ -114,18 +114,20 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.live: dict[str, PickedRequest] = {}  # by x-request-id, while a stream may join
         # Routing replies by (endpoint list, upstream key, duplex): built once, sent
         # as often as the list recurs (a few lists carry most requests).
-        self._routings: dict[tuple[str, str | None, bool], pb.ProcessingResponse] = {}
+        self._routings: dict[tuple[str, str | None, bool, str | None],
+                             pb.ProcessingResponse] = {}
 
-    def routing_reply(self, endpoints: str, key: str | None,
-                      duplex: bool) -> pb.ProcessingResponse:
+    def routing_reply(self, endpoints: str, key: str | None, duplex: bool,
+                      prefiller: str | None = None) -> pb.ProcessingResponse:
         """:func:`~tailguard.epp.protocol.routing`, built once per endpoint list."""
-        cached = self._routings.get((endpoints, key, duplex))
+        k = (endpoints, key, duplex, prefiller)
+        cached = self._routings.get(k)
         if cached is not None:
             return cached
-        reply = routing(endpoints, key, duplex)
+        reply = routing(endpoints, key, duplex, prefiller)
         if len(self._routings) >= ROUTING_CACHE:
             self._routings.clear()
-        self._routings[(endpoints, key, duplex)] = reply
+        self._routings[k] = reply
         return reply
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],

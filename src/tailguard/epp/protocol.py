@@ -14,6 +14,9 @@ DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 OBJECTIVE = "x-gateway-inference-objective"
+# Disaggregated P/D behind a data plane (llm-d's convention): the request goes to the
+# decode endpoint, whose routing sidecar runs the prefill leg on the endpoint named here.
+PREFILLER = "x-prefiller-host-port"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -64,13 +67,17 @@ def immediate(status: int, message: str, code: str, headers: dict[str, str] | No
         body=error_body(status, message, code, param), details=code))
 
 
-def routing(endpoints: str, key: str | None, duplex: bool) -> pb.ProcessingResponse:
+def routing(endpoints: str, key: str | None, duplex: bool,
+            prefiller: str | None = None) -> pb.ProcessingResponse:
     """The reply that routes to ``endpoints`` (``ip:port,...``): the header and
     ``dynamic_metadata["envoy.lb"]``, on the headers' reply (full duplex) or the
-    body's (buffered); ``key``: the upstream's API key, sent as its bearer token."""
+    body's (buffered); ``key``: the upstream's API key, sent as its bearer token;
+    ``prefiller``: the prefill endpoint of a disaggregated request (:data:`PREFILLER`)."""
     set_headers = [header(DESTINATION, endpoints)]
     if key:
         set_headers.append(header("authorization", f"Bearer {key}"))
+    if prefiller:
+        set_headers.append(header(PREFILLER, prefiller))
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
     meta = struct_pb2.Struct()
     meta.update({LB_NAMESPACE: {DESTINATION: endpoints}})

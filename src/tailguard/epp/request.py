@@ -213,11 +213,16 @@ class PickedRequest(ResponseSide):
         self.copy = copy
         addresses = fleet.addresses()
         self.endpoints = [addresses[copy.node_id]]
-        if not self.picker.single_endpoint:
+        prefiller = None
+        if copy.prefill_node is not None:
+            # Two legs: the decode endpoint's sidecar runs the prefill leg on this one.
+            # No fallback list: another decode endpoint would need its own pair.
+            prefiller = addresses[copy.prefill_node]
+        elif not self.picker.single_endpoint:
             self.endpoints += [addresses[n] for n in ex.fallbacks(time.monotonic())]
         value = ",".join(self.endpoints)
         reply = self.picker.routing_reply(value, fleet.nodes[copy.node_id].upstream_api_key(),
-                                          self.duplex)
+                                          self.duplex, prefiller)
         if not self.duplex:  # buffered: the routing rides on the body's reply
             return [reply]
         echo = body_echo(bytes(self.body))

@@ -8,6 +8,7 @@ and its end the finish, counted by :class:`~tailguard.adapters.sse.SseCounter`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -126,8 +127,15 @@ class ResponseSide:
         node = self.picker.fleet.nodes.get(copy.node_id)
         model = ex.request.model
         set_headers = [header(NODE_HEADER, copy.node_id)]
+        two_legs = copy.prefill_node is not None and copy.ticket.prefill is not None
+        if two_legs and status < 400:
+            # The decode endpoint's sidecar answers once its prefill leg is done and the
+            # decode has begun: the hand-off (whatever it says is the data plane's to do).
+            ex.prefilled(copy, now)
         if status >= 500 or status == 429:
             failure = self._failure(status, upstream, copy.node_id, h)
+            if two_legs:  # which leg failed is the sidecar's to know: neither node is charged
+                failure = dataclasses.replace(failure, judged=False)
             self.picker.metrics.upstream_error(copy.node_id, failure.origin.value)
             ex.failed(copy, now, failure, final=True)
             if not upstream:  # Envoy's own text: an OpenAI-style error instead
