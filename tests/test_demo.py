@@ -6,7 +6,7 @@ import asyncio
 
 from rich.console import Console
 
-from tailguard.demo import FLEET, STRAGGLER, run_demo
+from tailguard.demo import FLEET, STRAGGLER, run_demo, run_pd_demo
 
 
 def test_demo_compares_a_baseline_with_tailguard_and_catches_the_straggler() -> None:
@@ -29,3 +29,15 @@ def test_demo_compares_a_baseline_with_tailguard_and_catches_the_straggler() -> 
     text = console.export_text()
     assert "round_robin" in text and "tailguard" in text and "SLO attainment" in text
     assert "/dashboard" in text.split("SLO attainment")[0]  # the URL before the results
+
+
+def test_pd_demo_serves_the_same_load_co_located_and_disaggregated() -> None:
+    console = Console(record=True, width=200, force_terminal=False)
+    colo, pd = asyncio.run(run_pd_demo(5.0, 4.0, console))
+    for r in (colo, pd):
+        assert r.summary["failed"] == 0 and r.summary["completed"] >= 10
+    assert "disaggregated" not in colo.summary  # every prompt computed where it was decoded
+    assert pd.summary["disaggregated"]["remote_share"] >= 0.5
+    assert pd.shares["A100-80GB"] == 1.0  # only decode nodes answer
+    text = console.export_text()
+    assert "prompts computed remotely" in text and "TPOT p50 / p99" in text

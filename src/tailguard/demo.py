@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,8 +91,8 @@ def _tpot(r: Record) -> float:
     return (r.end - r.first) / (r.tokens - 1) if r.tokens > 1 else 0.0
 
 
-def _meets(r: Record) -> bool:
-    return r.error == "ok" and r.first - r.arrival <= SLO.ttft_s and _tpot(r) <= SLO.tpot_s
+def _meets(r: Record, slo: Slo = SLO) -> bool:
+    return r.error == "ok" and r.first - r.arrival <= slo.ttft_s and _tpot(r) <= slo.tpot_s
 
 
 class LiveView:
@@ -98,7 +100,8 @@ class LiveView:
 
     def __init__(self, label: str, gw: RunningGateway, gen: LoadGenerator,
                  gpu_of: dict[str, str], duration_s: float,
-                 events: list[tuple[float, str, str, str]]) -> None:
+                 events: list[tuple[float, str, str, str]], slo: Slo = SLO) -> None:
+        self.slo = slo
         self.label = label
         self.gw = gw
         self.gen = gen
@@ -126,14 +129,14 @@ class LiveView:
         for node in self.gw.fleet.balancer.nodes.values():
             rs = recent.get(node.id, [])
             limit = f"/{node.limiter.limit}" if node.limiter is not None else ""
-            ttft = _ratio([r.first - r.arrival for r in rs], SLO.ttft_s)
-            tpot = _ratio([_tpot(r) for r in rs if r.tokens > 1], SLO.tpot_s)
+            ttft = _ratio([r.first - r.arrival for r in rs], self.slo.ttft_s)
+            tpot = _ratio([_tpot(r) for r in rs if r.tokens > 1], self.slo.tpot_s)
             state = node.state.value
             style = {"healthy": "green", "degraded": "yellow", "probation": "cyan"}.get(state,
                                                                                       "red")
             table.add_row(node.id, self.gpu_of.get(node.id, "?"), Text(state, style=style),
                           f"{node.in_flight}{limit}", str(served.get(node.id, 0)), ttft, tpot)
-        met = sum(1 for r in done if _meets(r))
+        met = sum(1 for r in done if _meets(r, self.slo))
         status = Text(f"attainment so far {met / len(done):.3f} of {len(done)} answered"
                       if done else "waiting for the first answers", style="bold")
         lines = [Text(f"  {t:5.1f} s  {node}: {state}  ({why})")
@@ -181,31 +184,45 @@ async def one_run(label: str, policy: str, detect: bool, rate: float, duration_s
                 else None
             view = LiveView(label, gw, gen, gpu_of, duration_s, events)
             try:
-                if console.is_terminal:
-                    with Live(view.render(), console=console, refresh_per_second=1,
-                              transient=True) as live:
-                        run = asyncio.ensure_future(gen.run())
-                        while not run.done():
-                            await asyncio.wait([run], timeout=1.0)
-                            live.update(view.render())
-                        run.result()
-                else:
-                    await gen.run()
+                await _watched(gen, view, console)
             finally:
                 if injector is not None:
                     injector.cancel()
     summary = summarize(gen.records, gen.cfg, gen.elapsed_s)
-    by_class: dict[str, int] = {}
-    for r in gen.records:
-        if r.error == "ok":
-            g = gpu_of.get(r.node, "?")
-            by_class[g] = by_class.get(g, 0) + 1
-    total = sum(by_class.values()) or 1
-    shares = {g: by_class.get(g, 0) / total for g, _ in FLEET}
+    shares = _class_shares(gen.records, gpu_of, [g for g, _ in FLEET])
     result = RunResult(label, summary, shares, events)
     if faults:
         result.story = _story(label, gen.records, events, duration_s, detect)
     return result
+
+
+def _class_shares(records: list[Record], gpu_of: dict[str, str],
+                  classes: list[str]) -> dict[str, float]:
+    """Each GPU class's share of the answers completed."""
+    counts = dict.fromkeys(classes, 0)
+    for r in records:
+        if r.error == "ok":
+            g = gpu_of.get(r.node, "?")
+            counts[g] = counts.get(g, 0) + 1
+    total = sum(counts.values()) or 1
+    return {g: n / total for g, n in counts.items()}
+
+
+def _share(gpu: str, r: RunResult) -> str:
+    return f"{r.shares.get(gpu, 0.0):.1%}"
+
+
+async def _watched(gen: LoadGenerator, view: LiveView, console: Console) -> None:
+    """Run the load, with the live view refreshed every second in a terminal."""
+    if not console.is_terminal:
+        await gen.run()
+        return
+    with Live(view.render(), console=console, refresh_per_second=1, transient=True) as live:
+        run = asyncio.ensure_future(gen.run())
+        while not run.done():
+            await asyncio.wait([run], timeout=1.0)
+            live.update(view.render())
+        run.result()
 
 
 async def _faults(emu: Any, duration_s: float, console: Console) -> None:
@@ -251,22 +268,29 @@ def _story(label: str, records: list[Record], events: list[tuple[float, str, str
             + (f", and their TPOT p99 was {tpot_p99:.1f}x the SLO" if tpots else "") + ".")
 
 
-def comparison(runs: list[RunResult], rate: float) -> Table:
-    table = Table(title=f"{rate:.1f} req/s offered; SLO TTFT {SLO.ttft_s:g} s, TPOT "
-                        f"{SLO.tpot_s * 1000:.0f} ms", title_justify="left")
+def _side_by_side(runs: list[RunResult], rate: float,
+                  slo: Slo) -> tuple[Table, Callable[[str, Callable[[RunResult], str]], None]]:
+    """A table with a column per run, and the function that adds a row to it."""
+    table = Table(title=f"{rate:.1f} req/s offered; SLO TTFT {slo.ttft_s:g} s, TPOT "
+                        f"{slo.tpot_s * 1000:.0f} ms", title_justify="left")
     table.add_column("")
     for r in runs:
         table.add_column(r.label, justify="right")
 
-    def row(name: str, f: Any) -> None:
+    def row(name: str, f: Callable[[RunResult], str]) -> None:
         table.add_row(name, *[f(r) for r in runs])
 
+    return table, row
+
+
+def comparison(runs: list[RunResult], rate: float) -> Table:
+    table, row = _side_by_side(runs, rate, SLO)
     row("SLO attainment", lambda r: f"{r.summary['slo_attainment']:.3f}")
     row("TTFT p99", lambda r: f"{r.summary['ttft_s']['p99']:.2f} s")
     row("TPOT p99", lambda r: f"{r.summary['tpot_s']['p99'] * 1000:.0f} ms")
     row("completed / failed", lambda r: f"{r.summary['completed']} / {r.summary['failed']}")
     for gpu, _ in FLEET:
-        row(f"share {gpu}", lambda r, g=gpu: f"{r.shares.get(g, 0.0):.1%}")
+        row(f"share {gpu}", functools.partial(_share, gpu))
     return table
 
 
@@ -297,6 +321,71 @@ async def run_demo(duration_s: float, load: float | None, console: Console, *,
     return runs
 
 
+# ``--pd``: long prompts on a fleet that can split them, co-located and disaggregated.
+PD_FLEET = (("h100-0", "H100-SXM", "prefill"), ("l40s-0", "L40S", "prefill"),
+            ("l40s-1", "L40S", "prefill"), ("a100-0", "A100-80GB", "decode"),
+            ("a100-1", "A100-80GB", "decode"), ("a100-2", "A100-80GB", "decode"))
+PD_INPUT = {"dist": "lognormal", "mu": 8.5, "sigma": 0.6, "min": 256, "max": 24000}  # ~6k
+PD_OUTPUT = {"dist": "fixed", "value": 64}
+PD_SLO = Slo(ttft_s=3.0, tpot_s=0.1)
+PD_CLASSES = list(dict.fromkeys(gpu for _, gpu, _ in PD_FLEET))
+
+
+async def pd_run(label: str, roles: bool, rate: float, duration_s: float,
+                 console: Console, seed: int = 1) -> RunResult:
+    """The P/D fleet behind tailguard, its nodes' roles given (or all ``both``)."""
+    nodes = [EmulatedNode(nid, gpu, models=(MODEL,)) for nid, gpu, _ in PD_FLEET]
+    gpu_of = {n.id: n.gpu for n in nodes}
+    async with run_emulator(nodes, host="127.0.0.1") as emu:
+        fleet = parse_fleet({
+            "listen": "127.0.0.1:0",
+            "nodes": [{"id": nid, "url": emu.urls[nid], "gpu": gpu, "models": [MODEL],
+                       "role": role if roles else "both"} for nid, gpu, role in PD_FLEET],
+            "pools": {MODEL: {"policy": "tailguard",
+                              "slo": {"ttft_s": PD_SLO.ttft_s, "tpot_s": PD_SLO.tpot_s}}},
+        })
+        async with run_gateway(fleet, host="127.0.0.1", port=0) as gw:
+            console.print(f"[bold]{label}[/bold]: gateway {gw.url}/v1, dashboard "
+                          f"{gw.url}/dashboard")
+            gen = LoadGenerator(BenchConfig(
+                gw.url, model=MODEL, rate=rate, duration_s=duration_s,
+                input_tokens=parse_length_dist(PD_INPUT, "input_tokens", "input_tokens"),
+                output_tokens=parse_length_dist(PD_OUTPUT, "output_tokens", "output_tokens"),
+                slo=PD_SLO, ignore_eos=True, drain_s=20.0, seed=seed, label=label))
+            await _watched(gen, LiveView(label, gw, gen, gpu_of, duration_s, [], PD_SLO),
+                           console)
+    summary = summarize(gen.records, gen.cfg, gen.elapsed_s)
+    return RunResult(label, summary, _class_shares(gen.records, gpu_of, PD_CLASSES))
+
+
+async def run_pd_demo(duration_s: float, rate: float, console: Console) -> list[RunResult]:
+    """The same long-prompt load on the same fleet, co-located, then disaggregated."""
+    console.print(f"tailguard demo --pd: {', '.join(f'{n} ({r})' for n, _, r in PD_FLEET)} "
+                  f"serving {MODEL} (emulated in real time); long prompts (lognormal, mean "
+                  f"about 6k tokens), 64-token answers; {rate:g} req/s for {duration_s:.0f} s "
+                  "per run, first with every node doing both phases, then with the roles")
+    runs = [await pd_run("co-located", False, rate, duration_s, console),
+            await pd_run("disaggregated", True, rate, duration_s, console)]
+    table, row = _side_by_side(runs, rate, PD_SLO)
+
+    def legs(r: RunResult, key: str) -> str:
+        pd = r.summary.get("disaggregated")
+        return "-" if pd is None else key.format(**pd, p50=pd["prefill_leg_s"]["p50"])
+
+    row("SLO attainment", lambda r: f"{r.summary['slo_attainment']:.3f}")
+    row("TTFT p50 / p99", lambda r: f"{r.summary['ttft_s']['p50']:.2f} / "
+                                    f"{r.summary['ttft_s']['p99']:.2f} s")
+    row("TPOT p50 / p99", lambda r: f"{r.summary['tpot_s']['p50'] * 1000:.0f} / "
+                                    f"{r.summary['tpot_s']['p99'] * 1000:.0f} ms")
+    row("completed / failed", lambda r: f"{r.summary['completed']} / {r.summary['failed']}")
+    row("prompts computed remotely", lambda r: legs(r, "{remote_share:.1%}"))
+    row("prefill leg p50", lambda r: legs(r, "{p50:.2f} s"))
+    for gpu in PD_CLASSES:
+        row(f"answers from {gpu}", functools.partial(_share, gpu))
+    console.print(table)
+    return runs
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import logging
 
@@ -309,9 +398,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = Console()
     runner = asyncio.Runner(loop_factory=loop_factory)
     try:
-        runner.run(run_demo(args.duration, args.load, console,
-                            baseline=None if args.no_baseline else args.baseline,
-                            faults=not args.no_faults))
+        if args.pd:
+            runner.run(run_pd_demo(args.duration, args.rate, console))
+        else:
+            runner.run(run_demo(args.duration, args.load, console,
+                                baseline=None if args.no_baseline else args.baseline,
+                                faults=not args.no_faults))
     except KeyboardInterrupt:
         console.print("stopped")
         return 130
@@ -332,4 +424,9 @@ def add_parser(sub: Any) -> None:
                    help="the naive policy of the first run (default round_robin)")
     p.add_argument("--no-baseline", action="store_true", help="only the tailguard run")
     p.add_argument("--no-faults", action="store_true", help="no throttle, no crash")
+    p.add_argument("--pd", action="store_true",
+                   help="instead: long prompts on a fleet with prefill and decode nodes, "
+                        "served co-located and disaggregated side by side")
+    p.add_argument("--rate", type=float, default=4.0,
+                   help="with --pd: requests/s offered (default 4)")
     p.set_defaults(func=cmd_demo)

@@ -17,10 +17,13 @@ import openai
 import pytest
 from gateway_fakes import wait_for
 
+from tailguard.bench.loadgen import BenchConfig, run_bench
 from tailguard.config.fleet import parse_fleet
+from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, parse_fault, run_emulator
 from tailguard.emulator.server import Emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
+from tailguard.traffic.workload import FixedLength
 
 MODEL = "llama-3.1-8b"
 
@@ -216,5 +219,28 @@ def test_a_decode_node_failing_mid_stream_hands_its_streams_to_another_pair(kind
                 {k: v[1] for k, v in ROLES.items()}
             await wait_for(lambda: gw.fleet.in_flight() == 0, timeout=5.0, what="drained")
             assert gw.fleet.balancer.double_release == 0
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_bench_reports_the_prefill_leg_of_each_answer() -> None:
+    """``tailguard bench`` against a P/D fleet: each answer names the node that computed
+    its prompt and that leg's time (response headers), summed up per run."""
+    async def body() -> None:
+        async with pd_fleet() as (gw, _):
+            cfg = BenchConfig(gw.url, model=MODEL, concurrency=2, duration_s=1.5,
+                              input_tokens=FixedLength(16000), output_tokens=FixedLength(8),
+                              slo=Slo(5.0, 0.1), max_requests=6)
+            doc = await run_bench(cfg)
+        r = doc["results"]["bench"]
+        assert r["completed"] == r["requests"] >= 2
+        pd = r["disaggregated"]
+        # long prompts: most go through a prefill node (the router may compute some
+        # beside the decodes once the prefill nodes have a backlog)
+        assert pd["remote_share"] >= 0.5
+        assert set(pd["per_prefill_node"]) <= {"pre0", "pre1"}
+        assert 0.0 < pd["prefill_leg_s"]["p50"] < r["ttft_s"]["p50"]
+        assert pd["after_prefill_s"]["p50"] > 0.0
+        assert set(r["per_node"]) <= {"dec0", "dec1"}  # the answers come from decode nodes
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -15,6 +15,10 @@ from collections.abc import Mapping
 from aiohttp import web
 
 NODE_HEADER = "x-tailguard-node"
+# A disaggregated request's answer also names the node that computed its prompt and
+# the seconds that leg took (tailguard bench reads them).
+PREFILL_NODE_HEADER = "x-tailguard-prefill-node"
+PREFILL_TIME_HEADER = "x-tailguard-prefill-s"
 NO_NODE = "-"  # the header's value when no node served the request
 
 _TYPES = {

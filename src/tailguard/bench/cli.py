@@ -178,6 +178,18 @@ def result_tables(doc: dict[str, Any]) -> list[Table]:
                           _f(s["ttft_p50_s"]), _f(s["ttft_p99_s"]), _f(s["tpot_p50_s"]),
                           _f(s["tpot_p99_s"]), _f(s["slo_attainment"], 4))
         tables.append(nodes)
+        pd = r.get("disaggregated")
+        if pd is not None:
+            legs = Table(title=f"disaggregated: {100 * pd['remote_share']:.1f}% of the answers "
+                               "had their prompt computed on another node (s)")
+            legs.add_column("")
+            for c in ("mean", "p50", "p90", "p99", "max"):
+                legs.add_column(c, justify="right")
+            for name, key in (("prefill leg", "prefill_leg_s"),
+                              ("then first token", "after_prefill_s")):
+                legs.add_row(name, *(_f(pd[key][q], 4) for q in ("mean", "p50", "p90", "p99",
+                                                                   "max")))
+            tables.append(legs)
         if r["errors"]:
             errs = Table(title="errors by kind")
             errs.add_column("kind")

@@ -35,7 +35,9 @@ What is measured per request, on the loop clock:
   (``stream_options.include_usage`` is always asked for), else the count of
   events that carry text;
 * the serving node: the ``x-tailguard-node`` response header (the gateway
-  sets it), or ``direct`` when absent;
+  sets it), or ``direct`` when absent; on a disaggregated fleet also the node
+  that computed the prompt and its leg's time (``x-tailguard-prefill-node``,
+  ``x-tailguard-prefill-s``), summed up in the result's ``disaggregated`` block;
 * the outcome: ``ok``, or an error kind (``http_429``, ``http_4xx``,
   ``http_5xx``, ``connect``, ``timeout``, ``disconnect``, ``stream_error``,
   ``incomplete``, ``unfinished``, ``client_limit``).
@@ -68,6 +70,7 @@ from typing import Any
 
 import aiohttp
 
+from tailguard.adapters.api_errors import PREFILL_NODE_HEADER, PREFILL_TIME_HEADER
 from tailguard.bench.prefix_text import BlockText
 from tailguard.bench.summary import DIRECT, OK, Record, summarize
 from tailguard.core.policies import Slo
@@ -226,6 +229,13 @@ class LoadGenerator:
             async with self._session.post(url, data=self._body(rec), headers=headers) as resp:
                 rec.status = resp.status
                 rec.node = resp.headers.get(NODE_HEADER, DIRECT)
+                pre = resp.headers.get(PREFILL_NODE_HEADER)
+                if pre is not None:
+                    rec.prefill_node = pre
+                    try:
+                        rec.prefill_s = float(resp.headers.get(PREFILL_TIME_HEADER, "0"))
+                    except ValueError:
+                        rec.prefill_s = 0.0
                 if resp.status != 200:
                     await resp.read()
                     rec.end = clock() - t0

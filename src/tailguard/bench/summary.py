@@ -19,7 +19,8 @@ class Record:
     """What happened to one request (times in seconds from the run's start)."""
 
     __slots__ = ("arrival", "blocks", "cached", "end", "error", "first", "input", "max_tokens",
-                 "node", "prompt_reported", "salt", "session", "status", "target", "tokens")
+                 "node", "prefill_node", "prefill_s", "prompt_reported", "salt", "session",
+                 "status", "target", "tokens")
 
     def __init__(self, arrival: float, n_in: int, n_out: int,
                  blocks: tuple[int, ...] | None = None, salt: int = 0,
@@ -37,6 +38,10 @@ class Record:
         self.tokens = 0
         self.status = 0
         self.node = DIRECT
+        # Disaggregated (the gateway's headers): where its prompt was computed, and the
+        # seconds that leg took; None: computed where it was decoded.
+        self.prefill_node: str | None = None
+        self.prefill_s = 0.0
         self.error = "unfinished"
         self.target = 0  # which of several targets it was sent to
 
@@ -123,5 +128,21 @@ def summarize(records: list[Record], cfg: BenchConfig, elapsed_s: float) -> dict
             "prefill_tokens_saved": cached,
             "ttft_cached_s": summary(t[hit]),
             "ttft_uncached_s": summary(t[~hit]),
+        }
+    remote = [r for r, good in zip(records, ok, strict=True) if good and r.prefill_node]
+    if remote:  # a P/D fleet: how much went through two legs, and the prefill leg's time
+        legs = np.array([r.prefill_s for r in remote])
+        ttft_remote = np.array([r.first - r.arrival for r in remote])
+        by: dict[str, int] = {}
+        for r in remote:
+            assert r.prefill_node is not None
+            by[r.prefill_node] = by.get(r.prefill_node, 0) + 1
+        result["disaggregated"] = {
+            "remote_share": round(len(remote) / completed, 6),
+            "prefill_leg_s": summary(legs),
+            # what the decode side added to a remote prompt's first token: the KV
+            # transfer, the decode node's queue, its first step, the gateway's hops
+            "after_prefill_s": summary(ttft_remote - legs),
+            "per_prefill_node": dict(sorted(by.items())),
         }
     return result

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tailguard.adapters.api_errors import NODE_HEADER
+from tailguard.adapters.api_errors import NODE_HEADER, PREFILL_NODE_HEADER, PREFILL_TIME_HEADER
 from tailguard.adapters.metrics import GatewayMetrics
 from tailguard.adapters.openai_request import RoutedRequest
 from tailguard.adapters.upstream import UpstreamResponse
@@ -42,14 +42,23 @@ class Call:
     priority: int
     deadline: float  # loop time by which everything must be done (timeouts.total_s)
     t0: float  # monotonic arrival
+    # Disaggregated: the node that computed the prompt, and the seconds its leg took
+    # (the latest attempt's), told to the client with the answer's headers.
+    prefill: tuple[str, float] | None = None
 
 
-def response_headers(resp: UpstreamResponse, node_id: str) -> CIMultiDict[str]:
+def response_headers(resp: UpstreamResponse, node_id: str,
+                     prefill: tuple[str, float] | None = None) -> CIMultiDict[str]:
+    """The engine's headers less hop-by-hop ones, with the node that answered and, for
+    a disaggregated request, the node that computed its prompt and its leg's time."""
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in resp.headers.items():
         if k.lower() not in _RESPONSE_SKIP:
             out.add(k, v)
     out[NODE_HEADER] = node_id
+    if prefill is not None:
+        out[PREFILL_NODE_HEADER] = prefill[0]
+        out[PREFILL_TIME_HEADER] = f"{prefill[1]:.4f}"
     return out
 
 

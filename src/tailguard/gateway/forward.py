@@ -196,7 +196,9 @@ class Forwarder:
         ``within_s``: the attempt's own bound (the exchange's, for a non-streamed one);
         ``body``: another than the client's (a continuation's). A copy with a prefill
         node runs its prefill leg there first (:meth:`_prefill`)."""
-        body = call.body if body is None else body
+        if body is None:
+            body = call.body
+            call.prefill = None  # (an earlier attempt's leg is not this one's)
         if copy.prefill_node is not None and ex is not None:
             leg = await self._prefill(ex, call, copy, body)
             if not isinstance(leg, bytes):  # its failure, or the engine's own 4xx answer
@@ -216,10 +218,12 @@ class Forwarder:
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         assert copy.prefill_node is not None
+        t0 = time.monotonic()
         got = await self._send(call, copy.prefill_node, json.dumps(leg).encode(), False,
                                call.settings.timeouts.first_byte_s)
         if isinstance(got, Failure):
             return got
+        call.prefill = (copy.prefill_node, time.monotonic() - t0)
         resp, payload = got
         if resp.status >= 400:  # the engine refused the request itself: the client's answer
             return got
@@ -318,7 +322,7 @@ class Forwarder:
                     note(tokens=tokens)
                 count_answer(self.metrics, call.request, model, status)
                 return web.Response(status=status, body=payload,
-                                    headers=response_headers(resp, node.id))
+                                    headers=response_headers(resp, node.id, call.prefill))
             # Committed: the client gets the answer's first bytes. Its prefill is
             # learnt at the end, once the usage says what was cached.
             t_first = time.monotonic()

@@ -131,7 +131,7 @@ class StreamRelay:
         model = call.req.model
         self.sources.append(src)
         out = web.StreamResponse(status=src.resp.status,
-                                 headers=response_headers(src.resp, src.node.id))
+                                 headers=response_headers(src.resp, src.node.id, call.prefill))
         self.t_first = self.last = t_first
         try:
             await out.prepare(call.request)
