@@ -273,9 +273,11 @@ def test_a_node_that_stalls_now_and_then_stays_healthy(monkeypatch: pytest.Monke
                 states: set[str] = set()
                 try:
                     await asyncio.sleep(5)  # healthy history first
+                    # five pauses: a pause with no prompt late through it is not seen
+                    # (at 16 clients, 2 of 4 were seen in one of five runs of 4 pauses)
                     await emulator_fault(emu.urls["a0"], {"kind": "stall", "seconds": 2,
-                                                          "period_s": 5, "duration_s": 16})
-                    t_end = time.monotonic() + 18
+                                                          "period_s": 5, "duration_s": 21})
+                    t_end = time.monotonic() + 23
                     while time.monotonic() < t_end:
                         states.add(await node_state(gw, "a0"))
                         await asyncio.sleep(0.25)
