@@ -176,6 +176,9 @@ async def watched(client: openai.AsyncOpenAI, i: int, max_tokens: int,
     return roles, content, finishes, usage.completion_tokens
 
 
+ANSWER = 1500
+
+
 @pytest.mark.parametrize("kind", ["crash", "stall"])
 def test_a_decode_node_failing_mid_stream_hands_its_streams_to_another_pair(kind: str) -> None:
     """A decode node crashes (or stalls) under streams that have started: each goes on
@@ -188,7 +191,9 @@ def test_a_decode_node_failing_mid_stream_hands_its_streams_to_another_pair(kind
                                         max_retries=0)
             chunks = [0] * 4
             try:
-                tasks = [asyncio.create_task(watched(client, i, 400, chunks))
+                # long answers (a token is about a millisecond here): the four are
+                # still under way when the fault comes
+                tasks = [asyncio.create_task(watched(client, i, ANSWER, chunks))
                          for i in range(4)]
                 nodes = gw.fleet.balancer.nodes
                 while max(nodes["dec0"].decoding, nodes["dec1"].decoding) == 0 \
@@ -203,7 +208,7 @@ def test_a_decode_node_failing_mid_stream_hands_its_streams_to_another_pair(kind
                 got = await asyncio.gather(*tasks)
                 # one role delta, one finish, every token once (a chunk of the old
                 # node after the seam would be one too many)
-                assert got == [(1, 400, 1, 400)] * 4, (kind, got)
+                assert got == [(1, ANSWER, 1, ANSWER)] * 4, (kind, got)
                 assert emu.server(other).kv_received > pulled  # a continuation, P/D
             finally:
                 await client.close()
