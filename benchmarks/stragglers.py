@@ -30,6 +30,7 @@ faulted node are generated from ``--seed``):
 
     python benchmarks/stragglers.py [--runs throttle-detect,healthy-hour,incident,stalls]
                                     [--seed 1] [--cases 4] [--only 1,4] [--hour-s 3600]
+                                    [--engine-priority -1]  (migration)
 """
 
 from __future__ import annotations
@@ -302,12 +303,13 @@ def quantile(values: np.ndarray, q: float) -> float:
     return float(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)])
 
 
-def migration(seed: int, cases: int) -> list[dict[str, Any]]:
+def migration(seed: int, cases: int, engine_priority: int | None = None) -> list[dict[str, Any]]:
     """Streams caught by a hang (10 s, twice per victim), a hung tensor-parallel rank
     (one GPU of a TP-2 replica at 0.2% of its speed for 60 s: each step of the
     replica waits for it, about 5-10 s) or a crash (60 s), with
     migration off and on: the P99.9 of the longest inter-token gap each client saw
-    (inf: the stream failed) and the extra prefill the continuations cost."""
+    (inf: the stream failed) and the extra prefill the continuations cost.
+    ``engine_priority``: the continuations' engine priority (``migration.engine_priority``)."""
     rows = []
     window = (60.0, 300.0)
     for c in range(cases):
@@ -331,7 +333,8 @@ def migration(seed: int, cases: int) -> list[dict[str, Any]]:
             out = {}
             for on in (False, True):
                 raw = scenario(s, groups, 300, faults, load=0.7)
-                raw["migration"] = {"enabled": True} if on else {"enabled": False}
+                raw["migration"] = {"enabled": True, "engine_priority": engine_priority} \
+                    if on else {"enabled": False}
                 records: dict[str, RunRecord] = {}
                 if not on:  # the gaps are measured by the migration watch: keep it, moving none
                     raw["migration"] = {"enabled": True, "on_failure": False, "on_stall": False,
@@ -364,6 +367,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=4)
     ap.add_argument("--hour-s", type=float, default=3600.0)
     ap.add_argument("--only", help="comma-separated case numbers to run (incident, stalls)")
+    ap.add_argument("--engine-priority", type=int,
+                    help="migration: the continuations' engine priority (e.g. -1)")
     ap.add_argument("--json")
     args = ap.parse_args()
     out: dict[str, Any] = {}
@@ -378,7 +383,7 @@ def main() -> None:
     if "stalls" in runs:
         out["stalls"] = stalls(args.seed, args.cases)
     if "migration" in runs:
-        out["migration"] = migration(args.seed, args.cases)
+        out["migration"] = migration(args.seed, args.cases, args.engine_priority)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -661,3 +661,20 @@ def test_prompts_beside_decodes_stretch_tpot_as_the_core_predicts(gpu: str) -> N
     # The step alone misses a busy engine's TPOT; an engine given more prompts than
     # it has time for runs every step with a chunk (the last case).
     assert plain[-2] > math.log(1.4), plain
+
+
+def test_a_lower_priority_value_is_admitted_first() -> None:
+    """vLLM's priority scheduling: a request waits behind those of a lower or equal
+    value only (migration's continuations ask for -1); all 0, first come first served."""
+    cfg = EngineConfig(max_num_seqs=1)
+    eng = Engine(PERF, cfg)
+    for i in range(3):
+        eng.submit(i, 200, 4, 0.0)
+    eng.submit(3, 200, 4, 0.001, priority=-1)  # behind the running one, ahead of 1 and 2
+    eng.submit(4, 200, 4, 0.002, priority=-1)  # ... and behind 3 (same value: its turn)
+    ev = drive(eng, [])
+    assert [r for _, k, r in ev if k == FIRST_TOKEN] == [0, 3, 4, 1, 2]
+    fifo = Engine(PERF, cfg)
+    for i in range(5):
+        fifo.submit(i, 200, 4, 0.001 * i)
+    assert [r for _, k, r in drive(fifo, []) if k == FIRST_TOKEN] == [0, 1, 2, 3, 4]

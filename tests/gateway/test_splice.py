@@ -42,6 +42,9 @@ def test_the_continuation_asks_for_the_rest() -> None:
     assert body["messages"][-1] == {"role": "assistant", "content": "Once upon"}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_tokens"] == 8 and body["stream_options"] == {"include_usage": True}
+    assert "priority" not in body  # unless asked for: an engine without it would refuse it
+    urgent = json.loads(continuation_body(doc, True, r.so_far(True), -1) or b"null")
+    assert urgent["priority"] == -1  # migration.engine_priority
     comp = {"model": "m", "prompt": ["The sea"], "max_tokens": 5, "stream": True}
     rc = Relayed()
     rc.cut(event({"id": "cmpl-1", "choices": [{"index": 0, "text": " was"}]}))

@@ -157,13 +157,17 @@ class Relayed:
                      index, finished, faithful)
 
 
-def continuation_body(doc: dict[str, Any], chat: bool, so_far: SoFar) -> bytes | None:
+def continuation_body(doc: dict[str, Any], chat: bool, so_far: SoFar,
+                      priority: int | None = None) -> bytes | None:
     """The continuation's request: the client's ``doc`` with the answer so far, asking
-    for the rest (None where it cannot be faithful; see the module docstring)."""
+    for the rest (None where it cannot be faithful; see the module docstring);
+    ``priority``: the engine scheduling priority it asks for (``migration.engine_priority``)."""
     if not so_far.faithful or doc.get("n", 1) not in (1, None):
         return None
     body = dict(doc)
     body["stream"] = True
+    if priority is not None:
+        body["priority"] = priority
     if chat:
         messages = doc.get("messages")
         if not isinstance(messages, list):

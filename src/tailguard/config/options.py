@@ -82,6 +82,7 @@ MigrationBlock = block_for(MigrationConfig, bounds={
     "budget": {"ge": 0.0, "le": 1.0},  # a share of requests
     "min_per_s": {"ge": 0.0},
     "burst": {"ge": 0},
+    "engine_priority": {},  # any integer: the engine's own scale (vLLM: lower goes first)
 })
 
 __all__ = ["AdmissionBlock", "HedgingBlock", "LimitsBlock", "MigrationBlock", "OutliersBlock",

@@ -101,6 +101,7 @@ class Engine(Scheduler):
         *,
         remote_kv: bool = False,
         hold_kv: bool = False,
+        priority: int = 0,
     ) -> None:
         """Queue a request; a request that can never fit fails at once (see module docstring).
 
@@ -114,6 +115,9 @@ class Engine(Scheduler):
         the KV and the prompt is then computed here); ``hold_kv`` on a prefill
         instance, the request's KV stays held after it ends, until
         :meth:`release_kv` (the decode side has pulled it, or gave up).
+
+        ``priority``: as vLLM's priority scheduling, a request waits behind those
+        of a lower or equal value only (all 0: first come, first served).
         """
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("prompt_tokens and output_tokens must be >= 1")
@@ -132,9 +136,16 @@ class Engine(Scheduler):
             if req_id in self._held:
                 raise ValueError(f"request {req_id} still holds KV here")
             r = Request(req_id, prompt_tokens, output_tokens, blocks, block_tokens,
-                        remote_kv, hold_kv)
+                        remote_kv, hold_kv, priority)
             self._reqs[req_id] = r
-            self._waiting.append(r)
+            w = self._waiting
+            if w and w[-1].priority > priority:  # ahead of every waiting one of a higher value
+                i = 0
+                while i < len(w) and w[i].priority <= priority:
+                    i += 1
+                w.insert(i, r)
+            else:
+                w.append(r)
             self._num_waiting += 1
             if self._seg is None:
                 self._compose(now)

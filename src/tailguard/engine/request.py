@@ -23,6 +23,7 @@ class Request:
         "hold",
         "nheld",
         "output",
+        "priority",
         "prompt",
         "remote",
         "rid",
@@ -33,9 +34,10 @@ class Request:
 
     def __init__(
         self, rid: int, prompt: int, output: int, blocks: tuple[int, ...] = (), bt: int = 0,
-        remote: bool = False, hold: bool = False,
+        remote: bool = False, hold: bool = False, priority: int = 0,
     ) -> None:
         self.rid = rid
+        self.priority = priority  # lower is admitted first (vLLM's priority scheduling)
         self.prompt = prompt
         self.output = output
         self.state = WAITING

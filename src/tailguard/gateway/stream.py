@@ -326,8 +326,10 @@ class StreamRelay:
         try:
             while True:
                 copy = move.copy
-                body = continuation_body(doc, self.chat, so_far) if not so_far.finished \
-                    else None
+                cfg = ex.migration
+                body = continuation_body(doc, self.chat, so_far,
+                                         cfg.engine_priority if cfg is not None else None) \
+                    if not so_far.finished else None
                 engine = self.engine_of(copy.node_id)
                 refused = None
                 if body is None:

@@ -355,10 +355,18 @@ class ClusterSim:
         if copy is not None and copy.pio == cid:  # a prefill leg: one token, its KV held
             blocks = self.blocks[rid] if self.blocks is not None else ()
             ns.engine.submit(cid, prompt, 1, now, blocks, self.bt, hold_kv=True)
-        elif self.blocks is None:
-            ns.engine.submit(cid, prompt, output, now)
+            self._reschedule(ns)
+            return
+        priority = 0
+        if copy is not None and copy.after is not None:  # a continuation
+            cfg = owner.migration
+            if cfg is not None and cfg.engine_priority is not None:
+                priority = cfg.engine_priority
+        if self.blocks is None:
+            ns.engine.submit(cid, prompt, output, now, priority=priority)
         else:
-            ns.engine.submit(cid, prompt, output, now, self.blocks[rid], self.bt)
+            ns.engine.submit(cid, prompt, output, now, self.blocks[rid], self.bt,
+                             priority=priority)
         self._reschedule(ns)
 
     def _sizes(self, rid: int, copy: Copy | None) -> tuple[int, int]:
