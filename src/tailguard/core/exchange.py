@@ -553,6 +553,12 @@ class Exchange:
         """The nodes tried so far, in order (the hedge's included)."""
         return [c.ticket.node.id for c in self.copies]
 
+    def move_outcomes(self) -> list[tuple[str, str]]:
+        """Each move's cause with how the request's last move ended (``failed`` where
+        none took over): what the pool's tally and the gateway's metric count."""
+        result = self.move_result or "failed"
+        return [(cause, result) for cause in self.move_causes or ()]
+
     @property
     def in_flight(self) -> int:
         """Copies holding a permit now."""
@@ -801,10 +807,9 @@ class Exchange:
             raise RuntimeError(f"exchange ended twice ({self.ended}, then {how})")
         self._to(Phase.ENDED)
         self.ended = how
-        if self.moves:  # counted per cause, under the move's result (as the gateway's metric)
+        if self.moves:
             tally = self.copies[0].ticket.pool.moved
-            result = self.move_result or "failed"
-            for cause in self.move_causes or ():
+            for cause, result in self.move_outcomes():
                 key = f"{cause}/{result}"
                 tally[key] = tally.get(key, 0) + 1
         if self._pending_5xx:  # ended without another node's answer (gone, or a 4xx)

@@ -202,8 +202,8 @@ class StreamRelay:
                     s.resp.close()
             if ex.moves:
                 note(moves=ex.moves, move_result=ex.move_result)
-                for cause in ex.move_causes or ():
-                    self.metrics.migration(model, cause, ex.move_result or "failed")
+                for cause, result in ex.move_outcomes():
+                    self.metrics.migration(model, cause, result)
 
     async def _ended(self, src: Source, out: web.StreamResponse,
                      failure: Failure | None) -> Migrate | None:
@@ -321,12 +321,12 @@ class StreamRelay:
         assert self.relayed is not None
         so_far = self.relayed.so_far(self.chat)
         doc: Any = json.loads(call.body)
+        cfg = ex.migration
         reading: asyncio.Task[bytes] | None = None
         sending: asyncio.Future[Failure | Answer] | None = None  # the continuation, till used
         try:
             while True:
                 copy = move.copy
-                cfg = ex.migration
                 body = continuation_body(doc, self.chat, so_far,
                                          cfg.engine_priority if cfg is not None else None) \
                     if not so_far.finished else None
@@ -402,7 +402,6 @@ class StreamRelay:
                 self.sources.append(src)
                 self._arrived()
                 data = self._emit(src, payload)
-                cfg = ex.migration
                 if cfg is not None and cfg.announce:
                     data = moved_comment(old.node.id, copy.node_id, move.cause, move.after) + data
                 await self._deliver(src, out, data)
