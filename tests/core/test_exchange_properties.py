@@ -246,8 +246,8 @@ def test_every_exchange_ends_once_and_routes_only_where_the_balancer_would(
         assert ex.in_flight == 0
     assert b.double_release == 0
     for node in b.nodes.values():
-        assert (node.in_flight, node.prefilling, node.prefill_backlog, node.decoding) == \
-            (0, 0, 0, 0), node.id
+        assert (node.in_flight, node.prefilling, node.prefill_backlog, node.decoding,
+                node.awaiting_kv) == (0, 0, 0, 0, 0), node.id
         if node.limiter is not None:
             assert node.limiter.inflight == 0
     queue = b.pools[MODEL].queue

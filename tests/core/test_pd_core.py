@@ -62,7 +62,8 @@ def pd_balancer(policy: str = "tailguard", *, limits: bool = False,
 def settled(b: Balancer) -> None:
     """Nothing in flight anywhere, no permit released twice."""
     for n in b.nodes.values():
-        assert (n.in_flight, n.prefilling, n.prefill_backlog, n.decoding) == (0, 0, 0, 0), n.id
+        assert (n.in_flight, n.prefilling, n.prefill_backlog, n.decoding, n.awaiting_kv) \
+            == (0, 0, 0, 0, 0), n.id
         if n.limiter is not None:
             assert n.limiter.inflight == 0, n.id
     assert b.double_release == 0
@@ -120,6 +121,24 @@ def test_a_slow_link_keeps_prompts_local() -> None:
     assert t is not None and t.prefill is None
     fast = pd_balancer()
     t = fast.pick(MODEL, 8_000, 0.0)
+    assert t is not None and t.prefill is not None
+
+
+def test_a_prompt_computed_beside_requests_awaiting_their_kv_goes_to_a_prefill_node() -> None:
+    # Its chunks would fill the decode node's steps, and a request whose KV arrives
+    # meanwhile waits them out: the same prompt, with the same prefill backlogs,
+    # stays on its decode node only where no request there awaits its KV.
+    quiet = pd_balancer()
+    quiet.take(MODEL, "p0", 24_000, 0.0)
+    quiet.take(MODEL, "p1", 24_000, 0.0)
+    t = quiet.pick(MODEL, 8_000, 0.0)
+    assert t is not None and t.prefill is None
+    awaited = pd_balancer()
+    for _ in range(4):  # two long prompts on each prefill node, their KV due on d0 and d1
+        w = awaited.pick(MODEL, 12_000, 0.0)
+        assert w is not None and w.prefill is not None
+    assert [awaited.nodes[n].prefill_backlog for n in ("p0", "p1")] == [24_000, 24_000]
+    t = awaited.pick(MODEL, 8_000, 0.0)
     assert t is not None and t.prefill is not None
 
 

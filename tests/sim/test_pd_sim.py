@@ -72,7 +72,7 @@ def test_every_request_is_served_and_every_held_kv_freed(policy: str) -> None:
         if ns.plan.role == "decode":
             assert ns.engine.prompt_tokens_total > 0
     for n in sim.balancer.nodes.values():
-        assert (n.in_flight, n.prefill_backlog, n.decoding) == (0, 0, 0), n.id
+        assert (n.in_flight, n.prefill_backlog, n.decoding, n.awaiting_kv) == (0, 0, 0, 0), n.id
     assert sim.balancer.double_release == 0
 
 

@@ -26,12 +26,16 @@ class Load:
     if not TYPE_CHECKING:  # slots are the node's (mypy would take these as the part's)
         __slots__ = ()
     FIELDS: ClassVar[tuple[str, ...]] = (
-        "area_t", "context_tokens", "ctx_area", "dec_area", "decoding", "dispatched_total",
-        "in_flight", "kv_short_at", "prefill_backlog", "prefill_tokens_total", "prefilling")
+        "area_t", "awaiting_kv", "context_tokens", "ctx_area", "dec_area", "decoding",
+        "dispatched_total", "in_flight", "kv_short_at", "prefill_backlog", "prefill_tokens_total",
+        "prefilling")
 
     in_flight: int  # dispatched and not yet released
     prefilling: int  # ... of which still waiting for their first token
     prefill_backlog: int  # their prompt tokens the engine must compute (uncached part)
+    # ... of which computed elsewhere (a disaggregated request's decode leg, the only
+    # one with nothing to compute here): waiting for their KV, then one step
+    awaiting_kv: int
     decoding: int  # ... of which past their first token
     dispatched_total: int
     prefill_tokens_total: int  # prompt tokens ever dispatched here
@@ -51,6 +55,7 @@ class Load:
     def _init_load(self) -> None:
         self.kv_short_at = -math.inf
         self.in_flight = self.prefilling = self.prefill_backlog = self.decoding = 0
+        self.awaiting_kv = 0
         self.dispatched_total = self.prefill_tokens_total = 0
         self.context_tokens = 0
         self.ctx_area = self.dec_area = 0.0
@@ -99,6 +104,8 @@ class Load:
         self.in_flight += 1
         self.prefilling += 1
         self.prefill_backlog += backlog
+        if backlog == 0:
+            self.awaiting_kv += 1
         self.prefill_tokens_total += prompt_tokens
         self.dispatched_total += 1
 
@@ -107,6 +114,8 @@ class Load:
         self.areas_at(now)
         self.prefilling -= 1
         self.prefill_backlog -= backlog
+        if backlog == 0:
+            self.awaiting_kv -= 1
         self.decoding += 1
         self.context_tokens += prompt_tokens
 
@@ -116,6 +125,8 @@ class Load:
         if prefilling:
             self.prefilling -= 1
             self.prefill_backlog -= backlog
+            if backlog == 0:
+                self.awaiting_kv -= 1
         else:
             self.areas_at(now)
             self.decoding -= 1

@@ -247,10 +247,15 @@ class TailguardPolicy:
         by the same predicted cost as :meth:`choose`, jointly.
 
         Computed on its decode node, a prompt costs what it costs there in
-        :meth:`choose`, plus what its chunks take from that node's running
-        decodes (each of them waits out the prompt's compute: ``decoding x
-        prefill`` seconds, the externality that disaggregation removes, weighed
-        as the queueing term is). Computed on a prefill node ``p``, the first
+        :meth:`choose`, plus what its chunks take from the other requests there
+        (the externality that disaggregation removes, weighed as the queueing
+        term is): each running decode waits out the prompt's compute, and so
+        does each request waiting there for its first token, its KV on the way
+        from a prefill node (the engine takes it after the prompt's chunks), a
+        second of which weighs as a second of TTFT. Without the second part, in a live run of
+        ``benchmarks/pd_live.py``, prompts computed on decode nodes held up the
+        first tokens of requests handed over meanwhile by up to 0.9 s.
+        Computed on a prefill node ``p``, the first
         token comes after ``p``'s backlog and its prefill, the KV transfer over
         the pair's link (:mod:`~tailguard.core.kv_transfer`) and a step of the
         decode node's own (the engine computes the prompt's last token again);
@@ -322,11 +327,13 @@ class TailguardPolicy:
             engine_wait = 0.0
             if batch > running:
                 engine_wait = (batch - running) * (out * tpot) / running
-            # The prompt computed here.
+            # The prompt computed here. Its chunks fill the node's steps: its decodes
+            # stretch by its compute, and the requests waiting here for their first
+            # token (KV on its way from a prefill node) wait it out.
             wait, own = prompt_time(d, q)
             ttft = wait + own + tpot + engine_wait
             cost = ttft_weight * (ttft + qw * (wait + engine_wait)) + out * tpot \
-                + qw * d.decoding * own
+                + qw * own * (d.decoding + ttft_weight * d.awaiting_kv)
             # (cost, ttft, prefill node, the weight scale of the pair's weaker node)
             options: list[tuple[float, float, str | None, float]] = [
                 (cost, ttft, None, d.weight_scale)]
