@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,7 @@ class Envoy:
                 self.proc.wait()
         if hasattr(self, "_log"):
             self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     async def stats(self) -> dict[str, int]:
         """Envoy's counters and gauges (``/stats``), by name."""
