@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tailguard.sim.cluster import RunRecord
 from tailguard.sim.fleet_bound import fleet_bound
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import PolicyChoice, Scenario, parse_scenario
@@ -62,8 +63,9 @@ def scenario(shape: str, trace: Path, load: float, policies: list[str], duration
 
 def run(shape: str, trace: Path, load: float, policies: list[str], duration: float, seed: int,
         throttle: bool) -> dict[str, Any]:
-    doc = simulate(scenario(shape, trace, load, policies, duration, seed, throttle),
-                   [PolicyChoice(p) for p in policies])
+    scn = scenario(shape, trace, load, policies, duration, seed, throttle)
+    records: dict[str, RunRecord] = {}
+    doc = simulate(scn, [PolicyChoice(p) for p in policies], records=records)
     out: dict[str, Any] = {"bound": doc["capacity_bound_rps"], "results": {}}
     for name, r in doc["results"].items():
         rep = r.get("outliers") or {}
@@ -73,8 +75,24 @@ def run(shape: str, trace: Path, load: float, policies: list[str], duration: flo
             "attainment": r["slo_attainment"], "ttft_p99": r["ttft_s"]["p99"],
             "tpot_p99": r["tpot_s"]["p99"], "false": rep.get("false_detections", 0),
             "false_quarantines": rep.get("false_quarantines", 0),
-            "detected_s": detect[0] if detect else None, "requests": r["requests"]}
+            "detected_s": detect[0] if detect else None, "requests": r["requests"],
+            "idle_s": idle_after_fault(scn, records[name])}
     return out
+
+
+def idle_after_fault(scn: Scenario, rec: RunRecord) -> float | None:
+    """Seconds from the fault to the first request its node was given: the bursty
+    traces have silent minutes, and no detector sees a throttle before the node
+    has work (the time to detection counts from the fault)."""
+    if not scn.faults:
+        return None
+    fault = scn.faults[0]
+    if fault.node not in rec.node_ids:
+        return None
+    victim = rec.node_ids.index(fault.node)
+    first = min((a for a, n in zip(rec.arrival, rec.node, strict=True)
+                 if n == victim and a >= fault.at_s), default=None)
+    return None if first is None else first - fault.at_s
 
 
 def main() -> None:
@@ -109,6 +127,8 @@ def main() -> None:
                                "policy": pol, "bound_rps": res["bound"], **r}
                         rows.append(row)
                         det = "-" if r["detected_s"] is None else f"{r['detected_s']:.0f} s"
+                        if r["idle_s"] is not None:
+                            det += f" (node idle {r['idle_s']:.0f} s)"
                         print(f"{shape:14s} load {load:.1f} {'throttle' if throttle else 'healthy ':8s}"
                               f" {pol:14s} bound {res['bound']:6.2f} req/s  {r['requests']:6d} req"
                               f"  att {r['attainment']:.3f}"

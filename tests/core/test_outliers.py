@@ -283,6 +283,40 @@ def test_a_class_of_one_uses_its_own_history() -> None:
     assert rig.state("L4#0") is NodeState.HEALTHY
 
 
+def test_a_class_of_one_prices_its_prompt_chunks_at_its_clean_prefill_speed() -> None:
+    # Its class's prefill speed is its own: learnt from a throttle, it would price
+    # the chunks in its decode pieces at the throttled speed, and half of every
+    # piece's slowdown would read as expected. It may rise only 1.1x an interval.
+    rig = Rig(["H100", "L4", "L4"])
+    lone, l4s = rig.nodes["H100-SXM#0"], [rig.nodes["L4#0"], rig.nodes["L4#1"]]
+    lone.set_class_speed(1.0, 1.3, 1.0)
+    rig.run(10, {})  # two clean intervals
+    assert rig.det.judged_prefill_slowdown(lone) == pytest.approx(1.3)
+    lone.set_class_speed(1.0, 2.6, 1.0)  # it learns a throttle's prefill speed
+    assert rig.det.judged_prefill_slowdown(lone) == pytest.approx(1.3)
+    rig.run(5, {})
+    assert rig.det.judged_prefill_slowdown(lone) == pytest.approx(1.3 * 1.1)
+    lone.set_class_speed(1.0, 1.2, 1.0)  # faster: followed at once
+    assert rig.det.judged_prefill_slowdown(lone) == pytest.approx(1.2)
+    for n in l4s:  # a node with class peers is priced at its class's speed
+        n.set_class_speed(1.0, 2.6, 1.0)
+        assert rig.det.judged_prefill_slowdown(n) == pytest.approx(2.6)
+
+
+def test_a_slowdown_caught_at_an_interval_close_does_not_become_the_history() -> None:
+    # The first seconds of a slowdown may close an interval before the CUSUM has
+    # moved: the own history they write rises 1.1x at most, so what follows is
+    # still judged against the node's healthy level.
+    rig = Rig(["H100", "L4", "L4"])
+    rig.run(30, {"H100-SXM#0": 1.3})
+    ev = rig.det.health["H100-SXM#0"].decode
+    (b, before), = ev.history.items()
+    assert before == pytest.approx(math.log(1.3), abs=0.02)
+    ev.learn(b, math.log(2.6), 0, 16.0, 0)  # a level already at the slowdown...
+    ev.close(1.0, clean=True)  # ...at a clean close
+    assert ev.history[b] == pytest.approx(before + math.log(1.1))
+
+
 def test_operator_states_are_left_alone_and_uncordon_resets() -> None:
     rig = Rig(["A100"] * 4)
     node = rig.nodes["A100-80GB#0"]

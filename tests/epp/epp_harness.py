@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile

@@ -247,9 +247,11 @@ class Learner:
         node, pool = ticket.node, ticket.pool
         # The streams of one node told at one tick share all of it (the simulator
         # tells each one each second): computed once for them.
+        pslow = node.class_prefill_slowdown
+        if areas_then is not None and self.outliers is not None:
+            pslow = self.outliers.judged_prefill_slowdown(node)
         key = (pool.name, batch_then, since, work_then, areas_then, now, node.fleet_in_flight,
-               pool.mean_prompt, pool.mean_output, node.class_prefill_slowdown,
-               node.remote_ratio)
+               pool.mean_prompt, pool.mean_output, pslow, node.remote_ratio)
         memos = self._memo if areas_then is None else self._memo_own
         memo = memos.get(node.id)
         if memo is not None and memo[0] == key:
@@ -268,10 +270,10 @@ class Learner:
         span = now - since
         work = node.work_at(now) - work_then
         if span > 0.0 and work > 0.0:
-            duty = work * (1.0 + node.remote_ratio) * node.class_prefill_slowdown / span
+            duty = work * (1.0 + node.remote_ratio) * pslow / span
             cap = saturated_step_s(node.perf, batch, ctx)
             if areas_then is not None:  # every step carrying a chunk of the prompts under way
-                cap = max(cap, step + node.chunk_s() * node.class_prefill_slowdown)
+                cap = max(cap, step + node.chunk_s() * pslow)
             step = interleaved_tpot(step, duty, cap)
         answer = (batch, step, alone / step)
         memos[node.id] = (key, answer)

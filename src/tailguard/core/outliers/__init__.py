@@ -38,7 +38,13 @@ with the reference
   enough (the slower one is the outlier: nobody is flagged for being fast);
 * else, for decode, the node's **own history** in that bucket: its level the
   last time it was healthy and showed no excess (a class of one; TTFT is
-  judged against peers only, see ``prefill_slow_ratio``);
+  judged against peers only, see ``prefill_slow_ratio``). A history rises by
+  at most 1.1x an interval (``HISTORY_RISE``): a slowdown's first seconds can
+  close an interval before they have moved the CUSUM, and taken whole they
+  became the reference for the rest of it. A class of one also prices the
+  prompt chunks in its decode pieces at its prefill speed as of its last
+  clean interval (:meth:`SampleIntake.judged_prefill_slowdown`), since its
+  class's learned speed is its own and would learn a throttle too;
 * else nothing: the sample only teaches the node's own level.
 
 Evidence, not a fixed sample count

@@ -12,6 +12,14 @@ from tailguard.core.outliers.config import PoolView
 from tailguard.core.outliers.evidence import Evidence, NodeHealth, Verdict
 from tailguard.core.outliers.intake import SampleIntake
 
+# How much a class of one's clean prefill speed (the price of the prompt chunks in
+# its decode pieces, SampleIntake.judged_prefill_slowdown) may rise per clean
+# interval. A prompt mix that makes the node's roofline look up to 1.5x slower
+# moves a piece that is 70% prompt chunks by 0.7 x log(1.5) = 0.28, under the
+# CUSUM's allowance (0.30 at slow_ratio 1.5): it is followed within four
+# intervals and never read as the node's slowness; a throttle's 2x is not.
+CLEAN_PREFILL_RISE = 1.1
+
 
 class OutlierDetector(SampleIntake):
     """Consumes per-request samples and outcomes; ``tick`` moves nodes through the lifecycle."""
@@ -281,6 +289,13 @@ class OutlierDetector(SampleIntake):
         clean = node.state is NodeState.HEALTHY and (v is None or not v.flagged)
         half = 0.5 * cfg.evidence
         h.prefill.close(decay, clean and h.prefill.cusum < half)
+        if clean and h.decode.cusum < half:
+            # Followed down at once, up by at most CLEAN_PREFILL_RISE an interval: a
+            # throttle's first samples are pooled into a decode window that has
+            # not yet flushed when the interval closes, so "clean" may already
+            # hold its first seconds, and the prefill speed learns them faster.
+            pslow, last = node.class_prefill_slowdown, h.clean_prefill
+            h.clean_prefill = pslow if last <= 0.0 else min(pslow, last * CLEAN_PREFILL_RISE)
         h.decode.close(decay, clean and h.decode.cusum < half)
         h.requests = h.failures = 0
 

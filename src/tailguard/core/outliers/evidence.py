@@ -31,6 +31,13 @@ FRESH = 2  # intervals since a peer's last sample in a bucket for it to be a ref
 # second, on all nodes together).
 _LEVEL_SAMPLES = 16.0
 REF_REUSE = 8.0  # samples of a bucket that reuse its reference before it is looked up again
+# How far a bucket's own history may rise per clean interval (log, i.e. 1.1x).
+# "Clean" is judged at the interval's close, when a slowdown's first seconds may
+# not yet have moved the CUSUM past half its threshold; taken whole, they became
+# the reference that the rest of the slowdown was then judged against (a lone
+# H100 throttled to half speed read 1.3x against its own history after one
+# interval). Falling is followed at once.
+HISTORY_RISE = math.log(1.1)
 _STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
 TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)
 QUEUED = 16 * TOKEN_BUCKETS  # added when the request waited for an engine slot
@@ -161,7 +168,8 @@ class Evidence:
         for b in list(self.levels):
             lv = self.levels[b]
             if clean and lv[0] >= 2.0:
-                self.history[b] = lv[1]
+                last = self.history.get(b)
+                self.history[b] = lv[1] if last is None else min(lv[1], last + HISTORY_RISE)
             lv[0] *= decay
             if lv[0] < 0.05:
                 del self.levels[b]
@@ -174,6 +182,7 @@ class NodeHealth:
 
     __slots__ = (
         "busy_since",
+        "clean_prefill",
         "clean_streak",
         "consecutive_failures",
         "decode",
@@ -225,6 +234,10 @@ class NodeHealth:
         # timed began after that one closed (Evidence.run_spread).
         self.pending: dict[int, list[float]] = {}
         self.busy_since = -1.0
+        # Its class's learned prefill slowdown when its decode evidence was last
+        # clean (0: not yet): what a class of one's decode pieces are priced at
+        # (SampleIntake.judged_prefill_slowdown).
+        self.clean_prefill = 0.0
         self.known_state = NodeState.HEALTHY
         self.state_since = now
         self.state_seconds: dict[str, float] = {}

@@ -203,6 +203,21 @@ class SampleIntake:
             if ref is not None:
                 self._residual(ev, x - ref, seen, since)
 
+    def judged_prefill_slowdown(self, node: Node) -> float:
+        """The prefill slowdown the node's decode pieces are judged at (the prompt
+        chunks sharing their steps): its class's, except for a node alone in its
+        class, whose class speed is its own: there, no more than it was when its
+        decode evidence was last clean. Otherwise a class of one that slows down
+        teaches its own prefill speed and the chunks priced at it absorb half the
+        slowdown of every piece (a throttled lone H100 read 1.45x, not 2x)."""
+        slowdown = node.class_prefill_slowdown
+        peers = self._classes.get(node.spec.gpu_class)
+        if peers is not None and len(peers) == 1:
+            h = self.health.get(node.id)
+            if h is not None and 0.0 < h.clean_prefill < slowdown:
+                return h.clean_prefill
+        return slowdown
+
     def _window_reference(self, node: Node, ev: Evidence, b: int,
                           levels: list[tuple[float, Node]]) -> float | None:
         """A decode window's reference: the median of the peers' levels of that window
