@@ -15,6 +15,7 @@ engines' KV transfer counts. Nothing is asserted.
 
     python benchmarks/pd_live.py [--rate 3] [--duration 60] [--speed 1]
     python benchmarks/pd_live.py --overhead 500    # the gateway's TTFT cost over both legs
+    python benchmarks/pd_live.py --bound --rate 5  # a clairvoyant router's TTFT (no engines)
 """
 
 from __future__ import annotations
@@ -170,6 +171,39 @@ async def overhead(n: int) -> str:
             f"({remote} of its {n} requests went through both legs)")
 
 
+def bound(rate: float, seconds: float = 3000.0, seed: int = 1) -> str:
+    """What a clairvoyant router could do with engines that take prompts first come
+    first served: each prompt of the workload (Poisson arrivals, the lengths above)
+    placed where it would finish first, knowing every prompt's exact compute time
+    (the roofline's) and every node's queue, with no decode side, transfer or
+    network at all. The TTFT p99 this gives is a floor for any router that places
+    prompts one at a time as they come."""
+    import numpy as np
+
+    from tailguard.core.hardware import perf_model
+
+    rng = np.random.default_rng(seed)
+    n = int(rate * seconds)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    sizes = np.clip(np.exp(rng.normal(INPUT["mu"], INPUT["sigma"], n)), INPUT["min"],
+                    INPUT["max"]).astype(int)
+    out = []
+    for label, roles in (("prefill nodes", ("prefill",)),
+                         ("prefill and decode nodes", ("prefill", "decode"))):
+        perfs = [perf_model(gpu, MODEL) for _, gpu, role in FLEET if role in roles]
+        free = [0.0] * len(perfs)
+        ttft = np.empty(n)
+        for i, (a, size) in enumerate(zip(arrivals, sizes, strict=True)):
+            ends = [max(f, a) + p.prefill_time(int(size)) for f, p in zip(free, perfs,
+                                                                          strict=True)]
+            k = min(range(len(ends)), key=ends.__getitem__)
+            free[k] = ends[k]
+            ttft[i] = ends[k] - a
+        out.append(f"on the {label}: TTFT p50 {np.percentile(ttft, 50):.3f} s, "
+                   f"p99 {np.percentile(ttft, 99):.3f} s")
+    return f"{rate} req/s, {n} prompts placed by exact earliest finish " + "; ".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,7 +213,12 @@ def main() -> None:
                     help="emulated engines this many times faster (rates and SLOs follow)")
     ap.add_argument("--overhead", type=int, default=0, metavar="N",
                     help="instead: the gateway's own TTFT cost over the two legs, N requests")
+    ap.add_argument("--bound", action="store_true",
+                    help="instead: the TTFT a clairvoyant earliest-finish router would give")
     args = ap.parse_args()
+    if args.bound:
+        print(bound(args.rate))
+        return
     if args.overhead:
         print(asyncio.run(overhead(args.overhead)))
         return
