@@ -170,7 +170,11 @@ def test_three_llama_servers_behind_the_gateway() -> None:
 
 
 async def _body(servers: list[LlamaServer]) -> None:
-    async with run_gateway(parse_fleet(fleet_doc(servers, idle_s=10.0))) as gw:
+    doc = fleet_doc(servers, idle_s=10.0)
+    # Re-admission is what step 2 checks, not the default backoffs (30 s ejection,
+    # 30 s slow start), which took most of this test's time.
+    doc["outliers"] = {"base_ejection_s": 10.0, "slow_start_s": 10.0}
+    async with run_gateway(parse_fleet(doc)) as gw:
         fleet = gw.fleet
         await wait_for(lambda: all(m.engine == "llamacpp" for m in fleet.monitors.values()),
                        timeout=10.0, what="llama.cpp detected on every node")
