@@ -20,6 +20,7 @@ asserted.
     python benchmarks/pd.py [--inventory mixed|h100-a100] [--rates 1.5,2.5]
                             [--workloads long,short] [--duration 600] [--seed 1]
                             [--goodput] [--json out.json]
+    python benchmarks/pd.py --bound [--inventory mixed] [--rates 2,3]
 """
 
 from __future__ import annotations
@@ -110,6 +111,34 @@ def price_per_hour(inventory: str) -> float:
     return sum(DEFAULT_CATALOG.gpu(g).price_per_hour * n for g, n in INVENTORIES[inventory])
 
 
+def prefill_floor(rate: float, lengths: dict[str, Any], gpus: list[str], seed: int = 1,
+                  seconds: float = 3000.0) -> float:
+    """TTFT p99 of a clairvoyant router on engines that take prompts first come first
+    served: ``seconds`` of Poisson arrivals with lognormal prompt ``lengths`` (mu,
+    sigma, min, max), each placed on the one of ``gpus`` where it would finish
+    first, every prompt's compute time (the roofline's) and every queue known; no
+    decode side, KV transfer or network. No router that places prompts one at a
+    time as they come does better on those engines."""
+    import numpy as np
+
+    from tailguard.core.hardware import perf_model
+
+    rng = np.random.default_rng(seed)
+    n = int(rate * seconds)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    sizes = np.clip(np.exp(rng.normal(lengths["mu"], lengths["sigma"], n)), lengths["min"],
+                    lengths["max"]).astype(int)
+    perfs = [perf_model(g, "llama-3.1-8b") for g in gpus]
+    free = [0.0] * len(perfs)
+    ttft = np.empty(n)
+    for i, (a, size) in enumerate(zip(arrivals, sizes, strict=True)):
+        ends = [max(f, a) + p.prefill_time(int(size)) for f, p in zip(free, perfs, strict=True)]
+        k = min(range(len(ends)), key=ends.__getitem__)
+        free[k] = ends[k]
+        ttft[i] = ends[k] - a
+    return float(np.percentile(ttft, 99))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,7 +150,18 @@ def main() -> None:
     ap.add_argument("--goodput", action="store_true",
                     help="also bisect each policy's highest rate at the SLO attainment")
     ap.add_argument("--json", help="write every result here")
+    ap.add_argument("--bound", action="store_true",
+                    help="instead: the long prompts' TTFT p99 floor of a clairvoyant router "
+                         "on the inventory (any node may compute a prompt), seeds 1-3")
     args = ap.parse_args()
+    if args.bound:
+        gpus = [g for g, n in INVENTORIES[args.inventory] for _ in range(n)]
+        for rate in (float(r) for r in args.rates.split(",")):
+            floors = [prefill_floor(rate, WORKLOADS["long"]["input_tokens"], gpus, seed)
+                      for seed in (1, 2, 3)]
+            print(f"{args.inventory}, long prompts at {rate} req/s: a clairvoyant router's "
+                  f"TTFT p99 {' / '.join(f'{f:.2f}' for f in floors)} s (seeds 1-3)")
+        return
     dollars = price_per_hour(args.inventory)
     print(f"inventory {args.inventory}: "
           + ", ".join(f"{n} x {g}" for g, n in INVENTORIES[args.inventory])

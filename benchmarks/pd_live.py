@@ -171,37 +171,20 @@ async def overhead(n: int) -> str:
             f"({remote} of its {n} requests went through both legs)")
 
 
-def bound(rate: float, seconds: float = 3000.0, seed: int = 1) -> str:
-    """What a clairvoyant router could do with engines that take prompts first come
-    first served: each prompt of the workload (Poisson arrivals, the lengths above)
-    placed where it would finish first, knowing every prompt's exact compute time
-    (the roofline's) and every node's queue, with no decode side, transfer or
-    network at all. The TTFT p99 this gives is a floor for any router that places
-    prompts one at a time as they come."""
-    import numpy as np
+def bound(rate: float) -> str:
+    """The TTFT p99 floor of a clairvoyant router on this workload and fleet
+    (:func:`pd.prefill_floor`): on the prefill nodes, and with the decode nodes
+    computing prompts too."""
+    from pd import prefill_floor  # this folder's: run as a script
 
-    from tailguard.core.hardware import perf_model
-
-    rng = np.random.default_rng(seed)
-    n = int(rate * seconds)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-    sizes = np.clip(np.exp(rng.normal(INPUT["mu"], INPUT["sigma"], n)), INPUT["min"],
-                    INPUT["max"]).astype(int)
     out = []
     for label, roles in (("prefill nodes", ("prefill",)),
                          ("prefill and decode nodes", ("prefill", "decode"))):
-        perfs = [perf_model(gpu, MODEL) for _, gpu, role in FLEET if role in roles]
-        free = [0.0] * len(perfs)
-        ttft = np.empty(n)
-        for i, (a, size) in enumerate(zip(arrivals, sizes, strict=True)):
-            ends = [max(f, a) + p.prefill_time(int(size)) for f, p in zip(free, perfs,
-                                                                          strict=True)]
-            k = min(range(len(ends)), key=ends.__getitem__)
-            free[k] = ends[k]
-            ttft[i] = ends[k] - a
-        out.append(f"on the {label}: TTFT p50 {np.percentile(ttft, 50):.3f} s, "
-                   f"p99 {np.percentile(ttft, 99):.3f} s")
-    return f"{rate} req/s, {n} prompts placed by exact earliest finish " + "; ".join(out)
+        gpus = [gpu for _, gpu, role in FLEET if role in roles]
+        floors = [prefill_floor(rate, INPUT, gpus, seed) for seed in (1, 2, 3)]
+        out.append(f"on the {label} {' / '.join(f'{f:.3f}' for f in floors)} s")
+    return (f"{rate} req/s: TTFT p99 of a clairvoyant earliest-finish router (seeds 1-3) "
+            + "; ".join(out))
 
 
 def main() -> None:
