@@ -110,6 +110,34 @@ def test_long_prompts_go_through_both_legs_and_short_ones_stay() -> None:
             async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
                 text = await r.text()
             assert 'tailguard_node_role{gpu="H100-SXM",node="pre0",role="prefill"} 1.0' in text
+            # Each leg timed on its own node: every prompt pulled was a prefill leg on
+            # a prefill node; the streamed ones' decode sides are timed on decode nodes.
+            reg = gw.metrics.registry
+
+            def count(name: str, nodes: tuple[str, ...], gpu: str) -> float:
+                return sum(reg.get_sample_value(f"{name}_count", {
+                    "pool": MODEL, "node": n, "gpu": gpu}) or 0.0 for n in nodes)
+
+            assert count("tailguard_prefill_leg_seconds", ("pre0", "pre1"), "H100-SXM") == sent
+            assert count("tailguard_prefill_leg_seconds", ("dec0", "dec1"), "A100-80GB") == 0
+            def handoffs() -> float:
+                return count("tailguard_handoff_first_token_seconds", ("dec0", "dec1"),
+                             "A100-80GB")
+
+            before = handoffs()
+            assert before <= sent
+            # One more long prompt, streamed, on an idle fleet: through both legs.
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            try:
+                assert await ask(client, long(99), stream=True) == 8
+            finally:
+                await client.close()
+            assert transfers(emu)[0] == sent + 1
+            assert handoffs() == before + 1
+            assert count("tailguard_prefill_leg_seconds", ("pre0", "pre1"), "H100-SXM") \
+                == sent + 1
+            assert count("tailguard_handoff_first_token_seconds", ("pre0", "pre1"),
+                         "H100-SXM") == 0
 
     asyncio.run(asyncio.wait_for(body(), 60))
 

@@ -116,6 +116,16 @@ class GatewayMetrics:
         self.e2e = Histogram("tailguard_e2e_seconds",
                              "End-to-end time of requests answered by a node",
                              node_labels, buckets=E2E_BUCKETS, registry=r)
+        # Disaggregated requests, leg by leg (the first token's time splits into them).
+        self.prefill_leg = Histogram(
+            "tailguard_prefill_leg_seconds",
+            "Disaggregated requests: the prefill leg on the node that computed the prompt, "
+            "sent to answered", node_labels, buckets=TTFT_BUCKETS, registry=r)
+        self.handoff = Histogram(
+            "tailguard_handoff_first_token_seconds",
+            "Disaggregated streamed requests: from the prefill leg's answer to the decode "
+            "node's first token (the KV pull, its wait there and a step)",
+            node_labels, buckets=TTFT_BUCKETS, registry=r)
         self.output_tokens = Counter("tailguard_output_tokens",
                                      "Output tokens delivered (usage when reported, else counted)",
                                      ["pool", "node"], registry=r)
@@ -197,6 +207,14 @@ class GatewayMetrics:
             c_tpot.observe(tpot)
         if max_gap is not None:
             c_gap.observe(max_gap)
+
+    def leg(self, pool: str, prefill: tuple[str, str, float], decode: tuple[str, str, float]
+            | None) -> None:
+        """A disaggregated request's legs: (node, gpu, seconds) of its prefill leg and,
+        streamed, of the decode side up to the first token."""
+        self.prefill_leg.labels(pool, prefill[0], prefill[1]).observe(prefill[2])
+        if decode is not None:
+            self.handoff.labels(pool, decode[0], decode[1]).observe(decode[2])
 
     def _judge(self, pool: str, gpu: str, ttft: float, tpot: float | None) -> None:
         # Only streamed answers are judged: a non-streamed one has no TTFT to compare.

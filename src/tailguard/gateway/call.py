@@ -43,8 +43,10 @@ class Call:
     deadline: float  # loop time by which everything must be done (timeouts.total_s)
     t0: float  # monotonic arrival
     # Disaggregated: the node that computed the prompt, and the seconds its leg took
-    # (the latest attempt's), told to the client with the answer's headers.
+    # (the latest attempt's), told to the client with the answer's headers; and
+    # when its answer came (monotonic).
     prefill: tuple[str, float] | None = None
+    prefill_done: float = 0.0
 
 
 def response_headers(resp: UpstreamResponse, node_id: str,

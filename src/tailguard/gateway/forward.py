@@ -223,7 +223,8 @@ class Forwarder:
                                call.settings.timeouts.first_byte_s)
         if isinstance(got, Failure):
             return got
-        call.prefill = (copy.prefill_node, time.monotonic() - t0)
+        call.prefill_done = time.monotonic()
+        call.prefill = (copy.prefill_node, call.prefill_done - t0)
         resp, payload = got
         if resp.status >= 400:  # the engine refused the request itself: the client's answer
             return got
@@ -319,6 +320,8 @@ class Forwarder:
                                           tokens))
                 if ok:
                     self.metrics.answered(model, node.id, node.gpu_class, now - call.t0, tokens)
+                    if call.prefill is not None:
+                        self._legs(model, call, None)
                     note(tokens=tokens)
                 count_answer(self.metrics, call.request, model, status)
                 return web.Response(status=status, body=payload,
@@ -326,6 +329,8 @@ class Forwarder:
             # Committed: the client gets the answer's first bytes. Its prefill is
             # learnt at the end, once the usage says what was cached.
             t_first = time.monotonic()
+            if call.prefill is not None and status < 400:
+                self._legs(model, call, (node.id, node.gpu_class, t_first - call.prefill_done))
             cancel_losers(race, ex.first_chunk(copy, t_first, served=status < 400,
                                          defer_prefill=True))
             return await self._stream(ex, call, copy, node, resp, payload, t_first)
@@ -334,6 +339,15 @@ class Forwarder:
                 resp.release()  # read to the end: the connection is reusable
             else:
                 resp.close()
+
+    def _legs(self, model: str, call: Call, decode: tuple[str, str, float] | None) -> None:
+        """A disaggregated answer's legs, in the metrics (a streamed one's decode side
+        up to its first token too)."""
+        assert call.prefill is not None
+        pre_id, seconds = call.prefill
+        pre = self.fleet.nodes.get(pre_id)
+        self.metrics.leg(model, (pre_id, pre.gpu_class if pre is not None else "", seconds),
+                         decode)
 
     async def _stream(self, ex: Exchange, call: Call, copy: Copy, node: NodeConfig,
                       resp: UpstreamResponse, first: bytes,
