@@ -17,6 +17,9 @@ FLEETS = {
                {"gpu": "L4", "count": 6}],
     "4h4a4l": [{"gpu": "H100-SXM", "count": 4}, {"gpu": "A100-80GB", "count": 4},
                {"gpu": "L4", "count": 4}],
+    # An H100 alone in its class: judged against its own history, not peers.
+    "1h4a4l": [{"gpu": "H100-SXM", "count": 1}, {"gpu": "A100-80GB", "count": 4},
+               {"gpu": "L4", "count": 4}],
 }
 
 
@@ -40,11 +43,23 @@ def run(fleet: str, seed: int, faults: list[dict[str, Any]], rate: float = 2.0,
     return res
 
 
-@pytest.mark.parametrize(("fleet", "seed"), [("2h4a6l", 1), ("2h4a6l", 2), ("4h4a4l", 2)])
-def test_long_prompts_degrade_no_healthy_node(fleet: str, seed: int) -> None:
-    res = run(fleet, seed, [])
+@pytest.mark.parametrize(("fleet", "seed", "rate"), [
+    ("2h4a6l", 1, 2.0), ("2h4a6l", 2, 2.0), ("4h4a4l", 2, 2.0), ("1h4a4l", 1, 1.0)])
+def test_long_prompts_degrade_no_healthy_node(fleet: str, seed: int, rate: float) -> None:
+    res = run(fleet, seed, [], rate=rate)
     assert res["slo_attainment"] > 0.99
     assert res["events"] == []
+
+
+def test_a_throttled_h100_alone_in_its_class_is_caught_under_long_prompts() -> None:
+    # Its decode pieces are mostly prompt chunks, priced at its own prefill speed as
+    # of its last clean interval (counting all of each piece instead, whatever
+    # its prompt chunks' share, degraded this healthy H100 on the run above).
+    res = run("1h4a4l", 1, [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5,
+                             "at_s": 300, "duration_s": 300}], rate=1.0)
+    rep = res["outliers"]
+    assert rep["time_to_detect"][0]["detected_s"] <= 15.0
+    assert rep["false_detections"] == 0
 
 
 def test_a_throttled_h100_is_still_caught_under_long_prompts() -> None:
