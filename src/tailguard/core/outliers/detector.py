@@ -14,10 +14,11 @@ from tailguard.core.outliers.intake import SampleIntake
 
 # How much a class of one's clean prefill speed (the price of the prompt chunks in
 # its decode pieces, SampleIntake.judged_prefill_slowdown) may rise per clean
-# interval. A prompt mix that makes the node's roofline look up to 1.5x slower
-# moves a piece that is 70% prompt chunks by 0.7 x log(1.5) = 0.28, under the
-# CUSUM's allowance (0.30 at slow_ratio 1.5): it is followed within four
-# intervals and never read as the node's slowness; a throttle's 2x is not.
+# interval. A prompt mix that makes the node's roofline 1.5x too fast for its
+# prompts reads, on a piece 70% prompt chunks, log(0.3 + 0.7 x 1.5) = 0.30 before
+# the share weighting (on_decode) and 0.09 after, under the CUSUM's allowance
+# (0.30 at slow_ratio 1.5): it is followed within five intervals and never read
+# as the node's slowness; a throttle's 2x on both phases is not.
 CLEAN_PREFILL_RISE = 1.1
 
 

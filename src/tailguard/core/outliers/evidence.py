@@ -35,8 +35,8 @@ REF_REUSE = 8.0  # samples of a bucket that reuse its reference before it is loo
 # "Clean" is judged at the interval's close, when a slowdown's first seconds may
 # not yet have moved the CUSUM past half its threshold; taken whole, they became
 # the reference that the rest of the slowdown was then judged against (a lone
-# H100 throttled to half speed read 1.3x against its own history after one
-# interval). Falling is followed at once.
+# H100 throttled to half speed: its history rose 1.27x at the first close).
+# Falling is followed at once.
 HISTORY_RISE = math.log(1.1)
 _STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
 TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)

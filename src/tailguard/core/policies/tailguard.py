@@ -252,10 +252,10 @@ class TailguardPolicy:
         term is): each running decode waits out the prompt's compute, and so
         does each request waiting there for its first token, its KV on the way
         from a prefill node (the engine takes it after the prompt's chunks), a
-        second of which weighs as a second of TTFT. Without the second part, in a live run of
-        ``benchmarks/pd_live.py``, prompts computed on decode nodes held up the
-        first tokens of requests handed over meanwhile by up to 0.9 s.
-        Computed on a prefill node ``p``, the first
+        second of which weighs as a second of TTFT. Without the second part, in
+        a live run of ``benchmarks/pd_live.py``, prompts computed on decode
+        nodes held up the first tokens of requests handed over meanwhile by up
+        to 0.9 s. Computed on a prefill node ``p``, the first
         token comes after ``p``'s backlog and its prefill, the KV transfer over
         the pair's link (:mod:`~tailguard.core.kv_transfer`) and a step of the
         decode node's own (the engine computes the prompt's last token again);
