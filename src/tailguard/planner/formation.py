@@ -7,20 +7,18 @@ is *rated* by the simulator, not by a formula: its SLO capacity
 serves within the TTFT and TPOT SLOs at the attainment target, under the
 workload's length distributions) with the engine settings the roofline plans
 for it (:func:`tailguard.planner.plan.engine_plan`). The roofline's own
-throughput at the SLO overrates weak shapes by up to 20x (an 8B model at a
-50 ms TPOT: a TP-2 L4 pair 1.91 req/s by the formula, 0.09 measured; an A100
-9.3 against 2.5),
-because queueing and prefill interference decide the tail. A shape is rated
-in a pool of POOL_GPUS GPUs' worth of copies behind a least-request balancer
-(8 TP-1 replicas, 4 TP-2, ...), or of as many as the inventory holds GPUs
-for, its capacity per replica: rated alone, small replicas would lose what
-pooling gives them (on H200s and an 8B model, TP-2 rated alone beat TP-1 by
-capacity per GPU, while the fleet of TP-1 replicas carried 11% more), and a
-pool larger than the inventory's would give them what a fleet of its size
-cannot. Each probe's arrivals span the scenario's duration, as the
-measurement's (``--verify``) do: short probes overrate strong shapes (eight
-H100s, 8B at a 100 ms TPOT: 45.1 req/s each from 4.2 s of arrivals, 24.5
-from 102 s; see :mod:`tailguard.sim.capacity`).
+throughput at the SLO is no substitute: it overrates weak shapes many times
+over, because queueing and prefill interference decide the tail
+(docs/planner.md has the measured cases). A shape is rated in a pool of
+POOL_GPUS GPUs' worth of copies behind a least-request balancer (8 TP-1
+replicas, 4 TP-2, ...), or of as many as the inventory holds GPUs for, its
+capacity per replica: rated alone, small replicas would lose what pooling
+gives them (a TP-2 group rated alone can beat TP-1 per GPU where the fleet of
+TP-1 replicas carries more), and a pool larger than the inventory's would give
+them what a fleet of its size cannot. Each probe's arrivals span the
+scenario's duration, as the measurement's (``--verify``) do: short probes
+overrate strong shapes (:mod:`tailguard.sim.capacity`; the figures in
+benchmarks/README.md, "Capacity probes").
 
 Formation, greedy by SLO goodput per dollar (capacity / $ per hour): one
 replica at a time, the best ratio that the free GPUs (best fit) can still
