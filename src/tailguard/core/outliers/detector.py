@@ -9,17 +9,16 @@ from random import Random
 from tailguard.core.events import Event
 from tailguard.core.fleet import Actor, Node, NodeState
 from tailguard.core.outliers.config import PoolView
-from tailguard.core.outliers.evidence import Evidence, NodeHealth, Verdict
+from tailguard.core.outliers.evidence import CLEAN_RISE, Evidence, NodeHealth, Verdict
 from tailguard.core.outliers.intake import SampleIntake
 
-# How much a class of one's clean prefill speed (the price of the prompt chunks in
-# its decode pieces, SampleIntake.judged_prefill_slowdown) may rise per clean
-# interval. A prompt mix that makes the node's roofline 1.5x too fast for its
-# prompts reads, on a piece 70% prompt chunks, log(0.3 + 0.7 x 1.5) = 0.30 before
-# the share weighting (on_decode) and 0.09 after, under the CUSUM's allowance
-# (0.30 at slow_ratio 1.5): it is followed within five intervals and never read
-# as the node's slowness; a throttle's 2x on both phases is not.
-CLEAN_PREFILL_RISE = 1.1
+# A class of one's clean prefill speed (the price of the prompt chunks in its
+# decode pieces, SampleIntake.judged_prefill_slowdown) rises at most CLEAN_RISE
+# per clean interval. A prompt mix that makes the node's roofline 1.5x too fast
+# for its prompts reads, on a piece 70% prompt chunks, log(0.3 + 0.7 x 1.5) = 0.30
+# before the share weighting (on_decode) and 0.09 after, under the CUSUM's
+# allowance (0.30 at slow_ratio 1.5): it is followed within five intervals and
+# never read as the node's slowness; a throttle's 2x on both phases is not.
 
 
 class OutlierDetector(SampleIntake):
@@ -291,12 +290,12 @@ class OutlierDetector(SampleIntake):
         half = 0.5 * cfg.evidence
         h.prefill.close(decay, clean and h.prefill.cusum < half)
         if clean and h.decode.cusum < half:
-            # Followed down at once, up by at most CLEAN_PREFILL_RISE an interval: a
+            # Followed down at once, up by at most CLEAN_RISE an interval: a
             # throttle's first samples are pooled into a decode window that has
             # not yet flushed when the interval closes, so "clean" may already
             # hold its first seconds, and the prefill speed learns them faster.
             pslow, last = node.class_prefill_slowdown, h.clean_prefill
-            h.clean_prefill = pslow if last <= 0.0 else min(pslow, last * CLEAN_PREFILL_RISE)
+            h.clean_prefill = pslow if last <= 0.0 else min(pslow, last * CLEAN_RISE)
         h.decode.close(decay, clean and h.decode.cusum < half)
         h.requests = h.failures = 0
 

@@ -31,13 +31,15 @@ FRESH = 2  # intervals since a peer's last sample in a bucket for it to be a ref
 # second, on all nodes together).
 _LEVEL_SAMPLES = 16.0
 REF_REUSE = 8.0  # samples of a bucket that reuse its reference before it is looked up again
-# How far a bucket's own history may rise per clean interval (log, i.e. 1.1x).
-# "Clean" is judged at the interval's close, when a slowdown's first seconds may
-# not yet have moved the CUSUM past half its threshold; taken whole, they became
-# the reference that the rest of the slowdown was then judged against (a lone
-# H100 throttled to half speed: its history rose 1.27x at the first close).
-# Falling is followed at once.
-HISTORY_RISE = math.log(1.1)
+# How far a clean reference may rise per clean interval: a bucket's own history
+# (in log, HISTORY_RISE) and a class of one's clean prefill speed
+# (OutlierDetector._close_interval). "Clean" is judged at the interval's close,
+# when a slowdown's first seconds may not yet have moved the CUSUM past half its
+# threshold; taken whole, they became the reference that the rest of the
+# slowdown was then judged against (a lone H100 throttled to half speed: its
+# history rose 1.27x at the first close). Falling is followed at once.
+CLEAN_RISE = 1.1
+HISTORY_RISE = math.log(CLEAN_RISE)
 _STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
 TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)
 QUEUED = 16 * TOKEN_BUCKETS  # added when the request waited for an engine slot
