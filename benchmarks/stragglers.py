@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from tailguard.core.hardware import DEFAULT_CATALOG
+from tailguard.core.policies.tailguard import TailguardOptions
 from tailguard.sim.cluster import RunRecord
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import PolicyChoice, parse_scenario
@@ -75,7 +76,7 @@ def node_ids(groups: list[dict[str, Any]]) -> list[str]:
 
 
 def run(raw: dict[str, Any], window: tuple[float, float] | None = None,
-        options: dict[str, Any] | None = None,
+        options: TailguardOptions | None = None,
         records: dict[str, RunRecord] | None = None) -> dict[str, Any]:
     """The tailguard policy's result (with policy ``options``); with ``window``,
     also the TTFT P99 and P99.9 of the requests that arrived in it
@@ -83,7 +84,7 @@ def run(raw: dict[str, Any], window: tuple[float, float] | None = None,
     over a second for their first token (``window_over_1s``). ``records``: gets the
     per-request arrays, under "tailguard"."""
     records = {} if records is None else records
-    choice = PolicyChoice("tailguard", options or {})
+    choice = PolicyChoice("tailguard", options)
     out = simulate(parse_scenario(raw), [choice], records=records)
     res: dict[str, Any] = out["results"][choice.label]
     if window is not None:
@@ -218,7 +219,7 @@ def incident(seed: int, cases: int, only: set[int] | None = None) -> list[dict[s
             # How low can routing take it at all? The oracle fleet again, with a router
             # that puts TTFT first: a millisecond of TTFT outweighs any decode saving
             # (TPOT only has to keep its SLO).
-            runs.append(("oracle_ttft_first", run(oraw, window, {"ttft_weight": TTFT_FIRST})))
+            runs.append(("oracle_ttft_first", run(oraw, window, TailguardOptions(ttft_weight=TTFT_FIRST))))
         row: dict[str, Any] = {"case": c, "victim": victim}
         for name, res in runs:
             row[f"{name}_p99_s"] = res["ttft_s"]["p99"]

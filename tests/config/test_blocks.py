@@ -73,3 +73,30 @@ def test_an_unknown_key_is_reported_before_what_it_may_have_misspelt() -> None:
         parse_fleet({"discovery": {"kubernetes": {"namespace": "n", "selector": "a=b",
                                                   "port": True}}})
     assert err.value.field == "discovery.kubernetes.port"
+
+
+def test_policy_options_become_the_policys_dataclass() -> None:
+    from tailguard.config.options import POLICY_OPTIONS, parse_policy_options
+    from tailguard.core.policies import REGISTRY, options_type
+    from tailguard.core.policies.pairs import DynamoOptions
+    from tailguard.core.policies.tailguard import TailguardOptions
+    from tailguard.sim.scenario import parse_policies
+
+    # Every policy with options has a block, and every block belongs to its policy.
+    assert {n for n in REGISTRY if options_type(n) is not None} == set(POLICY_OPTIONS)
+    assert parse_policy_options("tailguard", {"sample": 4, "ttft_weight": 1000}) == \
+        TailguardOptions(sample=4, ttft_weight=1000.0)
+    assert parse_policy_options("tailguard", {"ttft_weight": "slo"}) == TailguardOptions()
+    assert parse_policy_options("tailguard", None) is None  # every default
+    assert parse_policy_options("round_robin", {}) is None
+    assert parse_policy_options("dynamo", {"max_local_prefill_length": 512}) == \
+        DynamoOptions(max_local_prefill_length=512)
+    with pytest.raises(ConfigError) as err:
+        parse_policy_options("least_request", {"sample": 2}, "pools.m.policy_options")
+    assert err.value.field == "pools.m.policy_options.sample" and err.value.allowed == []
+    # A scenario's policy entry: options parsed, its label names those not default.
+    (choice,) = parse_policies([{"name": "tailguard", "sample": 4, "slo_headroom": 0.9}])
+    assert choice.options == TailguardOptions(sample=4) and choice.label == "tailguard[sample=4]"
+    with pytest.raises(ConfigError) as err:
+        parse_policies([{"name": "tailguard", "sample": 1}])
+    assert err.value.field == "policies[0].sample"

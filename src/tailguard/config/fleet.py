@@ -60,6 +60,7 @@ from tailguard.config.options import (
     MigrationBlock,
     OutliersBlock,
     RetriesBlock,
+    parse_policy_options,
 )
 from tailguard.config.parse import Block, FieldError, block_for, parse, retype
 from tailguard.config.remediation import RemediationBlock
@@ -81,7 +82,7 @@ from tailguard.config.shared_state import SharedStateBlock
 from tailguard.core.balancer import PoolConfig
 from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog
-from tailguard.core.policies import DEFAULT_POLICY, make_policy, policy_names
+from tailguard.core.policies import DEFAULT_POLICY, policy_names
 from tailguard.errors import ConfigError
 
 # -- values ------------------------------------------------------------------------
@@ -214,12 +215,12 @@ class PoolBlock(Block):
 
     def settings(self, name: str, where: str, catalog: Catalog) -> PoolSettings:
         slo = self.slo.core()
-        # Build the policy once so a bad option fails at load, not on the first request.
-        make_policy(self.policy, slo, self.policy_options, field=f"{where}.policy_options")
+        options = parse_policy_options(self.policy, self.policy_options,
+                                       f"{where}.policy_options")
         if self.catalog_model is not None and catalog.find_model(self.catalog_model) is None:
             raise ConfigError(f"{where}.catalog_model", f"unknown model {self.catalog_model!r}",
                               [x.name for x in catalog.models])
-        core = PoolConfig(name, self.policy, self.policy_options, slo, self.catalog_model,
+        core = PoolConfig(name, self.policy, options, slo, self.catalog_model,
                           limits=self.limits.core() if self.limits is not None else None,
                           admission=self.admission.core() if self.admission is not None
                           else None,

@@ -3,10 +3,11 @@
 ``limits:`` (:class:`~tailguard.core.limits.LimitConfig`), ``admission:``
 (:class:`~tailguard.core.admission.AdmissionConfig`), ``outliers:``
 (:class:`~tailguard.core.outliers.OutlierConfig`, on by default), ``hedging:``
-(:class:`~tailguard.core.hedging.HedgeConfig`, off by default) and
+(:class:`~tailguard.core.hedging.HedgeConfig`, off by default),
 ``retries:`` (:class:`~tailguard.core.retry_budget.RetryConfig`; a bare number
-is the attempts) and ``migration:`` (:class:`~tailguard.core.migration.MigrationConfig`,
-on by default)::
+is the attempts), ``migration:`` (:class:`~tailguard.core.migration.MigrationConfig`,
+on by default), and each policy's ``policy_options`` (the policy's ``Options``
+dataclass; a policy without options takes none)::
 
     limits: {kind: gradient, min: 2, target: 0.9}
     admission: {queue_max: 256}
@@ -14,20 +15,26 @@ on by default)::
     hedging: {enabled: true, quantile: 0.95, budget: 0.05}
     retries: {attempts: 2, budget: 0.1}
     migration: {stall_floor_s: 2, max_per_request: 1}
+    policy_options: {sample: 4, ttft_weight: slo}      # tailguard
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ValidationInfo, field_validator
 
-from tailguard.config.parse import block_for
+from tailguard.config.parse import Block, FieldError, block_for, parse
 from tailguard.core.admission import AdmissionConfig
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.limits import LimitConfig
 from tailguard.core.migration import MigrationConfig
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.policies import options_type
+from tailguard.core.policies.cache_aware import CacheAwareOptions
+from tailguard.core.policies.consistent_hash import ConsistentHashOptions
+from tailguard.core.policies.pairs import DynamoOptions
+from tailguard.core.policies.tailguard import TailguardOptions
 from tailguard.core.retry_budget import RetryConfig
 
 
@@ -85,5 +92,54 @@ MigrationBlock = block_for(MigrationConfig, bounds={
     "engine_priority": {},  # any integer: the engine's own scale (vLLM: lower goes first)
 })
 
-__all__ = ["AdmissionBlock", "HedgingBlock", "LimitsBlock", "MigrationBlock", "OutliersBlock",
-           "RetriesBlock"]
+
+
+def _sample(value: int) -> int:
+    if value == 1:
+        raise ValueError("must be 0 (every node) or >= 2")
+    return value
+
+
+def _slo_weight(value: Any) -> Any:
+    """``slo`` (weigh TTFT as the SLOs do) is the default, None; a string is no number."""
+    if isinstance(value, str):
+        if value != "slo":
+            raise FieldError(None, f"must be a number or 'slo', got {value!r}", ["slo"])
+        return None
+    return value
+
+
+class NoOptions(Block):
+    """The options of a policy that has none: any key is unknown."""
+
+
+# Each policy's ``policy_options`` block, built from the policy's own dataclass.
+POLICY_OPTIONS: dict[str, type[Block]] = {
+    "tailguard": block_for(
+        TailguardOptions,
+        validators={"sample_not_one": field_validator("sample")(_sample),
+                    "slo_weight": field_validator("ttft_weight", mode="before")(_slo_weight)},
+        bounds={"sample": {"ge": 0}, "slo_headroom": {"gt": 0.0, "le": 1.0},
+                "ttft_weight": {"gt": 0.0}, "queue_weight": {"ge": 0.0}}),
+    "cache_aware": block_for(CacheAwareOptions, bounds={
+        "cache_threshold": {"ge": 0.0, "le": 1.0}, "balance_abs_threshold": {"ge": 0},
+        "balance_rel_threshold": {"ge": 1.0}}),
+    "consistent_hash": block_for(ConsistentHashOptions),
+    "dynamo": block_for(DynamoOptions, bounds={
+        "max_local_prefill_length": {"ge": 0},
+        "max_remote_prefill_cache_hit_ratio": {"ge": 0.0, "le": 1.0}}),
+}
+
+
+def parse_policy_options(policy: str, raw: Any, where: str = "policy_options") -> Any:
+    """``policy_options`` of ``policy`` as its dataclass (None: every default, or a
+    policy without options)."""
+    kind = options_type(policy)
+    block = POLICY_OPTIONS.get(policy, NoOptions)
+    assert (block.CORE is kind), f"policy {policy!r} has options without a block here"
+    parsed = parse(block, raw, where)
+    return parsed.core() if kind is not None and raw else None
+
+
+__all__ = ["POLICY_OPTIONS", "AdmissionBlock", "HedgingBlock", "LimitsBlock", "MigrationBlock",
+           "NoOptions", "OutliersBlock", "RetriesBlock", "parse_policy_options"]

@@ -85,10 +85,6 @@ class PoolSettings:
         return self.core.policy
 
     @property
-    def policy_options(self) -> Mapping[str, Any]:
-        return self.core.policy_options
-
-    @property
     def slo(self) -> Slo:
         return self.core.slo
 

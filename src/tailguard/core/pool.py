@@ -4,7 +4,7 @@ dispatched request's :class:`Ticket`: the balancer's request-side data."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ class PoolConfig:
 
     name: str
     policy: str = DEFAULT_POLICY
-    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    policy_options: Any = None  # the policy's options dataclass (None: its defaults)
     slo: Slo = field(default_factory=Slo)
     catalog_model: str | None = None  # the catalog entry for the roofline prior
     limits: LimitConfig | None = None  # per-node concurrency limits (core/limits.py)

@@ -12,7 +12,7 @@ recorded run's decisions are exactly reproducible offline.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tailguard.core.admission import Waiter
@@ -20,6 +20,7 @@ from tailguard.core.balancer import Balancer, PoolConfig, Ticket, decision_dict,
 from tailguard.core.fleet import Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog, PerfParams
 from tailguard.core.outliers import OutlierConfig
+from tailguard.core.policies import options_type
 from tailguard.core.probes import ProbeRule
 from tailguard.core.record import event_to_dict, from_jsonable, rng_from_init
 
@@ -124,10 +125,10 @@ class _Replayer:
         self.waiters.clear()
 
     def _add_pool(self, i: int, rec: Record) -> None:
-        self.b.add_pool(from_jsonable(PoolConfig, rec["config"]))
+        self.b.add_pool(_pool_config(rec["config"]))
 
     def _replace_pool(self, i: int, rec: Record) -> None:
-        self.b.replace_pool(from_jsonable(PoolConfig, rec["config"]))
+        self.b.replace_pool(_pool_config(rec["config"]))
 
     def _add_node(self, i: int, rec: Record) -> None:
         spec: NodeSpec = from_jsonable(NodeSpec, rec["spec"])
@@ -243,3 +244,12 @@ class _Replayer:
         self.out.decisions += 1
         adopted = self.b.on_peers(rec["t"], rec["reports"], rec["leader"])
         self.pending = (i, rec["t"], [event_to_dict(e) for e in adopted])
+
+
+def _pool_config(data: dict[str, Any]) -> PoolConfig:
+    """A recorded pool, its policy's options rebuilt as that policy's dataclass."""
+    config: PoolConfig = from_jsonable(PoolConfig, data)
+    kind = options_type(config.policy)
+    given = config.policy_options
+    options = from_jsonable(kind, given) if kind is not None and given else None
+    return replace(config, policy_options=options)

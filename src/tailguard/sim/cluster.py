@@ -147,7 +147,7 @@ def run_cluster(
     outputs: Sequence[int],
     *,
     policy: str,
-    policy_options: dict[str, object] | None = None,
+    policy_options: Any = None,
     slo: Slo,
     seed: int,
     network_rtt_s: float = 0.0,
@@ -176,7 +176,7 @@ def run_cluster(
     ``blocks``: each request's hashed ``block_tokens``-token blocks (prompt, then
     answer), for the engines' prefix caches and the router's prefix index;
     ``sessions``: each request's session (its key for session affinity)."""
-    pool = PoolConfig(model, policy, dict(policy_options or {}), slo, limits=limits,
+    pool = PoolConfig(model, policy, policy_options, slo, limits=limits,
                       admission=admission, retries=retries or RetryConfig(),
                       hedging=hedging or HedgeConfig(), kv_link=kv_link, kv_pairs=kv_pairs,
                       migration=migration or MigrationConfig())

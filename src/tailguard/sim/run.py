@@ -89,7 +89,7 @@ def run_policy(
             progress(choice.label, t, wl.duration_s)
     rec = run_cluster(
         plans, scn.model, reqs.arrival_s, reqs.input_tokens, reqs.output_tokens,
-        policy=choice.name, policy_options=dict(choice.options), slo=scn.slo, seed=scn.seed,
+        policy=choice.name, policy_options=choice.options, slo=scn.slo, seed=scn.seed,
         network_rtt_s=scn.network_rtt_s, faults=scn.faults, horizon_s=horizon, progress=cb,
         outliers=scn.outliers, hedging=scn.hedging, migration=scn.migration,
         limits=planned_limits(scn, reqs), admission=scn.admission,

@@ -26,8 +26,7 @@ name (``A100-80GB-PP2#0``, ``H100-SXM+A100-80GB#0``: core/pipeline.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,6 +43,7 @@ from tailguard.config.options import (
     LimitsBlock,
     MigrationBlock,
     OutliersBlock,
+    parse_policy_options,
 )
 from tailguard.config.parse import retype
 from tailguard.core.admission import AdmissionConfig
@@ -99,14 +99,17 @@ class NodePlan:
 @dataclass(frozen=True, slots=True)
 class PolicyChoice:
     name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Any = None  # the policy's options dataclass (None: its defaults)
 
     @property
     def label(self) -> str:
-        if not self.options:
+        """The name, with the options that differ from the policy's defaults."""
+        if self.options is None:
             return self.name
-        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.name}[{opts}]"
+        given = {f.name: getattr(self.options, f.name) for f in fields(self.options)}
+        default = {f.name: getattr(type(self.options)(), f.name) for f in fields(self.options)}
+        opts = ",".join(f"{k}={v}" for k, v in sorted(given.items()) if v != default[k])
+        return f"{self.name}[{opts}]" if opts else self.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +207,7 @@ def _policy(item: str | dict[str, Any], where: str) -> PolicyChoice:
         name, options = item["name"], {k: v for k, v in item.items() if k != "name"}
     if name not in policy_names():
         raise ConfigError(where, f"unknown policy {name!r}", policy_names())
-    return PolicyChoice(name, options)
+    return PolicyChoice(name, parse_policy_options(name, options, where))
 
 
 def parse_policies(raw: Any, where: str = "policies") -> tuple[PolicyChoice, ...]:

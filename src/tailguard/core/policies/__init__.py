@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from tailguard.core.policies.base import PairPolicy, Policy, RequestInfo, Slo
@@ -41,21 +40,29 @@ def policy_names() -> list[str]:
     return list(REGISTRY)
 
 
-def make_policy(
-    name: str, slo: Slo | None = None, options: Mapping[str, Any] | None = None, field: str = "policy"
-) -> Policy:
+def options_type(name: str) -> type[Any] | None:
+    """The frozen dataclass of policy ``name``'s options (None: it has none); the
+    configuration layer parses ``policy_options`` into it."""
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ConfigError("policy", f"unknown policy {name!r}", policy_names())
+    options: type[Any] | None = cls.Options
+    return options
+
+
+def make_policy(name: str, slo: Slo | None = None, options: Any = None,
+                field: str = "policy") -> Policy:
+    """Policy ``name`` with its ``options`` (an instance of :func:`options_type`, or
+    None for its defaults)."""
     cls = REGISTRY.get(name)
     if cls is None:
         raise ConfigError(field, f"unknown policy {name!r}", policy_names())
-    try:
-        policy: Policy = cls(slo or Slo(), options or {})
-    except ValueError as exc:
-        raise ConfigError(field, str(exc)) from exc
+    policy: Policy = cls(slo or Slo(), options)
     return policy
 
 
 def make_pair_policy(name: str, policy: Policy, slo: Slo | None = None,
-                     options: Mapping[str, Any] | None = None) -> PairPolicy:
+                     options: Any = None) -> PairPolicy:
     """How ``policy`` routes a pool whose nodes have roles: its own pair choice, or
     phase by phase (:class:`PerPhase`) with a second instance for the prefill side."""
     if hasattr(policy, "choose_pair"):
@@ -64,4 +71,4 @@ def make_pair_policy(name: str, policy: Policy, slo: Slo | None = None,
 
 
 __all__ = ["DEFAULT_POLICY", "REGISTRY", "PairPolicy", "Policy", "RequestInfo", "Slo",
-           "make_pair_policy", "make_policy", "policy_names"]
+           "make_pair_policy", "make_policy", "options_type", "policy_names"]

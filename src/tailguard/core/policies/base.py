@@ -66,7 +66,7 @@ class DispatchAware(Protocol):
 
 
 class PolicyFactory(Protocol):
-    def __call__(self, slo: Slo, options: Mapping[str, Any]) -> Policy: ...
+    def __call__(self, slo: Slo, options: Any) -> Policy: ...
 
 
 class PairPolicy(Protocol):

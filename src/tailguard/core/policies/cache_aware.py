@@ -26,9 +26,9 @@ than the idlest one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -37,18 +37,24 @@ from tailguard.core.prefix import PrefixIndex
 _TREE_BLOCKS = 1 << 24  # per worker: like max_tree_size, never reached in a run here
 
 
+@dataclass(frozen=True, slots=True)
+class CacheAwareOptions:
+    """``policy_options`` of ``cache_aware``, with SGLang's defaults (module docstring)."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+
+
 class CacheAware:
     name = "cache_aware"
+    Options = CacheAwareOptions
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
-        opts = dict(options or {})
-        self.cache_threshold = float(opts.pop("cache_threshold", 0.3))
-        self.balance_abs = int(opts.pop("balance_abs_threshold", 64))
-        self.balance_rel = float(opts.pop("balance_rel_threshold", 1.5))
-        if opts:
-            raise ValueError(f"unknown cache_aware policy option(s): {', '.join(sorted(opts))}")
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError("cache_threshold must be between 0 and 1")
+    def __init__(self, slo: Slo | None = None, options: CacheAwareOptions | None = None) -> None:
+        opts = options or CacheAwareOptions()
+        self.cache_threshold = opts.cache_threshold
+        self.balance_abs = opts.balance_abs_threshold
+        self.balance_rel = opts.balance_rel_threshold
         self._trees: PrefixIndex | None = None
 
     def _tree(self, block_tokens: int) -> PrefixIndex:

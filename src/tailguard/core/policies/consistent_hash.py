@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import hashlib
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -28,16 +28,20 @@ def _h(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+@dataclass(frozen=True, slots=True)
+class ConsistentHashOptions:
+    """``policy_options`` of ``consistent_hash``."""
+
+    replicas: int = 100  # points per node on the ring
+
+
 class ConsistentHash:
     name = "consistent_hash"
+    Options = ConsistentHashOptions
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
-        opts = dict(options or {})
-        self.replicas = int(opts.pop("replicas", 100))
-        if opts:
-            raise ValueError(f"unknown consistent_hash option(s): {', '.join(sorted(opts))}")
-        if self.replicas < 1:
-            raise ValueError("replicas must be >= 1")
+    def __init__(self, slo: Slo | None = None,
+                 options: ConsistentHashOptions | None = None) -> None:
+        self.replicas = (options or ConsistentHashOptions()).replicas
         self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
 
     def _ring(self, ids: tuple[str, ...]) -> tuple[list[int], list[str]]:

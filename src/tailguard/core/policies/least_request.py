@@ -7,9 +7,8 @@ hardware: an L4 with 3 requests looks as loaded as an H100 with 3.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -17,8 +16,9 @@ from tailguard.core.policies.base import RequestInfo, Slo
 
 class LeastRequest:
     name = "least_request"
+    Options = None  # no options
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, slo: Slo | None = None, options: None = None) -> None:
         pass
 
     def choose(

@@ -8,9 +8,8 @@ several gateway replicas do not herd onto the same "best" node.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -30,8 +29,9 @@ def sample_two(nodes: Sequence[NodeView], rng: Random) -> tuple[NodeView, NodeVi
 
 class PowerOfTwo:
     name = "p2c"
+    Options = None  # no options
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, slo: Slo | None = None, options: None = None) -> None:
         pass
 
     def choose(

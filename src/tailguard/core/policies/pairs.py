@@ -21,9 +21,9 @@ prefixes reduces to the least-loaded worker).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.kv_transfer import LinkMap
@@ -73,18 +73,24 @@ class PerPhase:
         return p, d
 
 
+@dataclass(frozen=True, slots=True)
+class DynamoOptions:
+    """``policy_options`` of ``dynamo``, with Dynamo's defaults (module docstring)."""
+
+    max_local_prefill_length: int = 2048
+    max_remote_prefill_cache_hit_ratio: float = 0.3
+
+
 class DynamoConditional(PerPhase):
     """Dynamo's conditional disaggregation (module docstring), least-loaded per phase."""
 
     name = "dynamo"
+    Options = DynamoOptions
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
-        opts = dict(options or {})
-        self.min_remote_tokens = int(opts.pop("max_local_prefill_length", 2048))
-        self.min_uncached_share = 1.0 - float(opts.pop("max_remote_prefill_cache_hit_ratio",
-                                                       0.3))
-        if opts:
-            raise ValueError(f"unknown dynamo policy option(s): {', '.join(sorted(opts))}")
+    def __init__(self, slo: Slo | None = None, options: DynamoOptions | None = None) -> None:
+        opts = options or DynamoOptions()
+        self.min_remote_tokens = opts.max_local_prefill_length
+        self.min_uncached_share = 1.0 - opts.max_remote_prefill_cache_hit_ratio
         super().__init__(LeastRequest(slo), LeastRequest(slo))
 
     def choose(self, nodes: Sequence[NodeView], req: RequestInfo, now: float,

@@ -12,9 +12,8 @@ cost 2.0 s and 1 in flight (load 4.0): A wins although it is busier.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -23,8 +22,9 @@ from tailguard.core.policies.p2c import sample_two
 
 class PeakEwmaP2C:
     name = "peak_ewma"
+    Options = None  # no options
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, slo: Slo | None = None, options: None = None) -> None:
         pass
 
     def choose(

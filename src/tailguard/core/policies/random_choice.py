@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -12,8 +11,9 @@ from tailguard.core.policies.base import RequestInfo, Slo
 
 class RandomChoice:
     name = "random"
+    Options = None  # no options
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, slo: Slo | None = None, options: None = None) -> None:
         pass
 
     def choose(

@@ -16,9 +16,8 @@ really costs on each GPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView, seed_weight
 from tailguard.core.policies.base import RequestInfo, Slo
@@ -26,8 +25,9 @@ from tailguard.core.policies.base import RequestInfo, Slo
 
 class SeedWeighted:
     name = "seed_weighted"
+    Options = None  # no options
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, slo: Slo | None = None, options: None = None) -> None:
         pass
 
     def choose(

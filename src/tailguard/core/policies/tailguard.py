@@ -75,9 +75,9 @@ s, so the H100's queue keeps growing; with the wait it imposes on others
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from random import Random
-from typing import Any
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.hardware import PerfModel
@@ -105,24 +105,27 @@ _CAP_DUTY = 0.3
 _PAIR_PREFILLS = 3
 
 
+@dataclass(frozen=True, slots=True)
+class TailguardOptions:
+    """``policy_options`` of ``tailguard`` (the file's bounds: ``config/options.py``)."""
+
+    sample: int = 0  # nodes drawn per request (0: all; else at least 2)
+    slo_headroom: float = 0.9  # the share of each SLO a prediction must keep
+    ttft_weight: float | None = None  # a second of TTFT in decode seconds (None: as the SLOs)
+    queue_weight: float = 1.0  # the weight of the wait a request imposes on those behind it
+
+
 class TailguardPolicy:
     name = "tailguard"
+    Options = TailguardOptions
 
-    def __init__(self, slo: Slo | None = None, options: Mapping[str, Any] | None = None) -> None:
-        opts = dict(options or {})
+    def __init__(self, slo: Slo | None = None, options: TailguardOptions | None = None) -> None:
+        opts = options or TailguardOptions()
         self.slo = slo or Slo()
-        self.sample = int(opts.pop("sample", 0))
-        self.headroom = float(opts.pop("slo_headroom", 0.9))
-        weight = opts.pop("ttft_weight", "slo")
-        self.queue_weight = float(opts.pop("queue_weight", 1.0))
-        # "slo": weigh a second of TTFT against decode time as the SLOs do.
-        self.ttft_weight = None if weight == "slo" else float(weight)
-        if opts:
-            raise ValueError(f"unknown tailguard policy option(s): {', '.join(sorted(opts))}")
-        if self.sample == 1 or self.sample < 0:
-            raise ValueError("sample must be 0 (all nodes) or >= 2")
-        if self.queue_weight < 0.0:
-            raise ValueError("queue_weight must be >= 0")
+        self.sample = opts.sample
+        self.headroom = opts.slo_headroom
+        self.ttft_weight = opts.ttft_weight
+        self.queue_weight = opts.queue_weight
 
     def _terms(self, req: RequestInfo) -> tuple[float, float, float, float]:
         """The request's expected answer, the context a step attends to at its
