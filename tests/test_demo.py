@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from rich.console import Console
 
 from tailguard.demo import FLEET, STRAGGLER, run_demo, run_pd_demo
+
+# Its bars are wall-clock times and live comparisons: `make test` runs it alone,
+# after the rest has run two at a time (a second worker's load would move them).
+pytestmark = pytest.mark.solo
 
 
 def test_demo_compares_a_baseline_with_tailguard_and_catches_the_straggler() -> None:

@@ -17,11 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 import openai
+import pytest
 from gateway_fakes import wait_for
 from llama_servers import MODEL_NAME, LlamaServer, find_engine, fleet_doc
 
 from tailguard.config.fleet import parse_fleet
 from tailguard.gateway.app import run_gateway
+
+# Its bars are wall-clock times and live comparisons: `make test` runs it alone,
+# after the rest has run two at a time (a second worker's load would move them).
+pytestmark = pytest.mark.solo
 
 MAX_TOKENS = 240
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]

@@ -15,6 +15,7 @@ import random
 from typing import Any
 
 import openai
+import pytest
 
 from tailguard.bench import BenchConfig, LoadGenerator
 from tailguard.bench.loadgen import summarize
@@ -23,6 +24,10 @@ from tailguard.core.policies import Slo
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import run_gateway
 from tailguard.traffic.workload import generate, parse_workload
+
+# Its bars are wall-clock times and live comparisons: `make test` runs it alone,
+# after the rest has run two at a time (a second worker's load would move them).
+pytestmark = pytest.mark.solo
 
 MODEL = "llama-3.1-8b"
 SLO = Slo(ttft_s=1.0, tpot_s=0.1)

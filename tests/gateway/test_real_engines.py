@@ -43,12 +43,17 @@ import time
 from collections import Counter
 
 import openai
+import pytest
 from gateway_fakes import wait_for
 from llama_servers import MODEL_NAME, LlamaServer, find_engine, fleet_doc
 
 from tailguard.config.fleet import parse_fleet
 from tailguard.core.fleet import NodeState
 from tailguard.gateway.app import RunningGateway, run_gateway
+
+# Its bars are wall-clock times and live comparisons: `make test` runs it alone,
+# after the rest has run two at a time (a second worker's load would move them).
+pytestmark = pytest.mark.solo
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence, plainly, without lists. "
           "The user is curious about nature, animals and the weather.")

@@ -20,6 +20,10 @@ from tailguard.config.fleet import parse_fleet
 from tailguard.emulator import EmulatedNode, run_emulator
 from tailguard.gateway.app import RunningGateway, run_gateway
 
+# Its bars are wall-clock times and live comparisons: `make test` runs it alone,
+# after the rest has run two at a time (a second worker's load would move them).
+pytestmark = pytest.mark.solo
+
 MODEL = "llama-3.1-8b"
 TOKEN = "straggler-test-token"
 NODES = ["a0", "a1", "a2", "a3"]
