@@ -8,8 +8,9 @@ alert of ``deploy/prometheus/alerts.yml`` becomes active once its condition
 is produced: a node quarantined, a node down, a pool mostly not healthy, SLO
 attainment below target (a TPOT SLO the L4s cannot meet), shedding; and that
 retries show (an engine answering 500 for a moment).
-Hedges, shedding and remediations are counted through the hooks the
-hedging, admission and remediation code calls.
+Hedges, shedding, remediations, stream migrations and disaggregated legs are
+counted through the hooks the hedging, admission, remediation, stream relay
+and forwarding code calls.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def produce_incidents(gw: RunningGateway, step: int) -> None:
     m = gw.metrics
     m.shed_request(MODEL, "queue_full")
     m.hedge(MODEL, "won")
+    m.migration(MODEL, "stall", "moved")
+    # A disaggregated request's legs (this fleet has no roles: the forwarder's hook).
+    m.leg(MODEL, ("h100-0", "H100-SXM", 0.4), ("a100-0", "A100-80GB", 0.05))
     m.remediation("command", "ok")
     m.on_event(Event(0.0, "l4-0", "state", "quarantined", "test"))
     if step == 1:
