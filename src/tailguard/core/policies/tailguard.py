@@ -57,6 +57,17 @@ at this prompt it would send long prompts from busy fast nodes to idle slow
 ones, whose own prefill then blocks them (tried; unstable). ``queue_weight: 0``
 restores the selfish finish time.
 
+Overload: when even the best node is predicted to miss the SLO by half or
+more (``_SPILL_EXCESS``: a burst of long prompts has queued up everywhere),
+the finish times no longer say which request can still make it, and the
+least miss is the shortest prefill queue: every request then piles onto the
+nodes whose queues have just drained, stretching the decodes running there,
+and each of them misses too. The request goes instead to the node with the
+most room in its engine (requests in flight against the batch it runs at
+once), as least-request balancing spreads an overload. Measured on long-prompt
+overloads in ``benchmarks/README.md`` ("Overload"); a fleet that keeps its SLO
+never gets there.
+
 Worked example (llama-3.1-8b, slo tpot 0.1 s): an idle L4 predicts a step of
 75 ms, an H100 with 40 requests in flight a step of 12 ms; for a 200-token
 answer the H100 finishes in ~2.4 s against ~15 s on the L4, so the H100 wins
@@ -101,6 +112,10 @@ _VIOLATION_COST_S = 1e4
 _SPREAD_Z = 1.0
 # Prompt duty above which the saturated step may cap the predicted TPOT.
 _CAP_DUTY = 0.3
+# The SLO miss (relative excess) that even the best node is predicted to make in
+# an overload, past which a request goes to the node with the most engine room
+# (the class docstring's "Overload").
+_SPILL_EXCESS = 0.5
 # Prefill nodes, ranked alone, that choose_pair tries with every decode node.
 _PAIR_PREFILLS = 3
 
@@ -167,6 +182,9 @@ class TailguardPolicy:
         top = min(max(cached.values()), prompt - 1) if cached else 0
         best_id: str | None = None
         best = float("inf")
+        best_excess = 0.0
+        spill_id: str | None = None
+        spill_room = float("inf")
         for n in cands:
             perf = n.perf
             q = shapes.get(id(perf))
@@ -238,8 +256,15 @@ class TailguardPolicy:
                 excess += check / tpot_limit - 1.0
             if excess:
                 cost += excess * _VIOLATION_COST_S
+                # Engine room, for an overload (below): in flight against the batch
+                # it runs at once.
+                room = batch / running if batch > running else batch / q.cap
+                if room < spill_room:
+                    spill_room, spill_id = room, n.id
             if cost < best:
-                best, best_id = cost, n.id
+                best, best_id, best_excess = cost, n.id, excess
+        if best_excess >= _SPILL_EXCESS and spill_id is not None:
+            return spill_id
         return best_id
 
 
