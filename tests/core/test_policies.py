@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import OWED_S, TRANSITIONS, Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
-from tailguard.core.policies import Slo, make_policy, policy_names, tailguard as tailguard_policy
+from tailguard.core.policies import Slo, make_policy, policy_names
 from tailguard.core.policies.tailguard import TailguardOptions
 from tailguard.core.predict import (
     decode_step_s,
@@ -120,15 +120,16 @@ def test_tailguard_prices_the_prefill_queue_it_joins() -> None:
     assert first_spill(1.0) == 2
 
 
-def test_tailguard_spreads_an_overload_by_engine_room(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tailguard_spreads_an_overload_by_engine_room() -> None:
     # One A100 holds a 40k-token prompt (two requests in flight with this one),
     # the other ``short`` 1k-token prompts. Where the second can still answer
     # within the 1 s TTFT SLO it wins; where both are predicted to miss it by
     # half or more, the request goes to the node with the most engine room (the
     # first), not to the shorter queue that every request would pile onto.
-    def pick(short: int) -> str:
+    def pick(short: int, spill: float | None = 0.5) -> str:
+        options = TailguardOptions(spill_excess=spill)
         b = Balancer([spec("n0", "A100"), spec("n1", "A100")],
-                     [PoolConfig(MODEL, "tailguard", slo=Slo(1.0, 0.1))], random.Random(1))
+                     [PoolConfig(MODEL, "tailguard", options, Slo(1.0, 0.1))], random.Random(1))
         b.set_state("n1", NodeState.DRAINING, Actor.OPERATOR)
         assert b.pick(MODEL, 40_000, 0.0).node_id == "n0"
         b.set_state("n1", NodeState.HEALTHY, Actor.OPERATOR)
@@ -139,8 +140,8 @@ def test_tailguard_spreads_an_overload_by_engine_room(monkeypatch: pytest.Monkey
 
     assert pick(10) == "n1"
     assert pick(25) == "n0"
-    monkeypatch.setattr(tailguard_policy, "_SPILL_EXCESS", math.inf)  # least miss only
-    assert pick(25) == "n1"
+    assert pick(25, spill=None) == "n1"  # the least miss
+    assert pick(25, spill=2.0) == "n1"  # it misses by less than that
 
 
 def test_router_and_learner_cap_the_batch_at_the_engine_slots() -> None:

@@ -120,7 +120,8 @@ POLICY_OPTIONS: dict[str, type[Block]] = {
         validators={"sample_not_one": field_validator("sample")(_sample),
                     "slo_weight": field_validator("ttft_weight", mode="before")(_slo_weight)},
         bounds={"sample": {"ge": 0}, "slo_headroom": {"gt": 0.0, "le": 1.0},
-                "ttft_weight": {"gt": 0.0}, "queue_weight": {"ge": 0.0}}),
+                "ttft_weight": {"gt": 0.0}, "queue_weight": {"ge": 0.0},
+                "spill_excess": {"gt": 0.0}}),
     "cache_aware": block_for(CacheAwareOptions, bounds={
         "cache_threshold": {"ge": 0.0, "le": 1.0}, "balance_abs_threshold": {"ge": 0},
         "balance_rel_threshold": {"ge": 1.0}}),

@@ -58,7 +58,8 @@ ones, whose own prefill then blocks them (tried; unstable). ``queue_weight: 0``
 restores the selfish finish time.
 
 Overload: when even the best node is predicted to miss the SLO by half or
-more (``_SPILL_EXCESS``: a burst of long prompts has queued up everywhere),
+more (``spill_excess``, default 0.5: a burst of long prompts has queued up
+everywhere),
 the finish times no longer say which request can still make it, and the
 least miss is the shortest prefill queue: every request then piles onto the
 nodes whose queues have just drained, stretching the decodes running there,
@@ -112,10 +113,6 @@ _VIOLATION_COST_S = 1e4
 _SPREAD_Z = 1.0
 # Prompt duty above which the saturated step may cap the predicted TPOT.
 _CAP_DUTY = 0.3
-# The SLO miss (relative excess) that even the best node is predicted to make in
-# an overload, past which a request goes to the node with the most engine room
-# (the class docstring's "Overload").
-_SPILL_EXCESS = 0.5
 # Prefill nodes, ranked alone, that choose_pair tries with every decode node.
 _PAIR_PREFILLS = 3
 
@@ -128,6 +125,10 @@ class TailguardOptions:
     slo_headroom: float = 0.9  # the share of each SLO a prediction must keep
     ttft_weight: float | None = None  # a second of TTFT in decode seconds (None: as the SLOs)
     queue_weight: float = 1.0  # the weight of the wait a request imposes on those behind it
+    # The SLO miss (relative excess) that even the best node is predicted to make,
+    # past which a request goes to the node with the most engine room (the class
+    # docstring's "Overload"); None: never, the least miss wins.
+    spill_excess: float | None = 0.5
 
 
 class TailguardPolicy:
@@ -141,6 +142,7 @@ class TailguardPolicy:
         self.headroom = opts.slo_headroom
         self.ttft_weight = opts.ttft_weight
         self.queue_weight = opts.queue_weight
+        self.spill_excess = math.inf if opts.spill_excess is None else opts.spill_excess
 
     def _terms(self, req: RequestInfo) -> tuple[float, float, float, float]:
         """The request's expected answer, the context a step attends to at its
@@ -263,7 +265,7 @@ class TailguardPolicy:
                     spill_room, spill_id = room, n.id
             if cost < best:
                 best, best_id, best_excess = cost, n.id, excess
-        if best_excess >= _SPILL_EXCESS and spill_id is not None:
+        if best_excess >= self.spill_excess and spill_id is not None:
             return spill_id
         return best_id
 
