@@ -65,7 +65,9 @@ least miss is the shortest prefill queue: every request then piles onto the
 nodes whose queues have just drained, stretching the decodes running there,
 and each of them misses too. The request goes instead to the node with the
 most room in its engine (requests in flight against the batch it runs at
-once), as least-request balancing spreads an overload. Measured on long-prompt
+once), as least-request balancing spreads an overload, first among the nodes
+where its answer keeps the TPOT SLO (spread onto nodes where it does not, the
+stretched decodes read as slowness to the outlier detector). Measured on long-prompt
 overloads in ``benchmarks/README.md`` ("Overload"); a fleet that keeps its SLO
 never gets there.
 
@@ -113,6 +115,9 @@ _VIOLATION_COST_S = 1e4
 _SPREAD_Z = 1.0
 # Prompt duty above which the saturated step may cap the predicted TPOT.
 _CAP_DUTY = 0.3
+# Added to the engine room of a node where the answer would miss its TPOT: any
+# node that keeps it spills first.
+_TPOT_MISS_ROOM = 1e6
 # Prefill nodes, ranked alone, that choose_pair tries with every decode node.
 _PAIR_PREFILLS = 3
 
@@ -254,15 +259,19 @@ class TailguardPolicy:
             # speed its answers miss.
             if n.decode_excess != 1.0:
                 check *= n.decode_excess
-            if check > tpot_limit:
-                excess += check / tpot_limit - 1.0
             if excess:
-                cost += excess * _VIOLATION_COST_S
                 # Engine room, for an overload (below): in flight against the batch
-                # it runs at once.
+                # the node runs at once, first where the answer keeps its TPOT.
                 room = batch / running if batch > running else batch / q.cap
+                if check > tpot_limit:
+                    excess += check / tpot_limit - 1.0
+                    room += _TPOT_MISS_ROOM
                 if room < spill_room:
                     spill_room, spill_id = room, n.id
+                cost += excess * _VIOLATION_COST_S
+            elif check > tpot_limit:
+                excess = check / tpot_limit - 1.0
+                cost += excess * _VIOLATION_COST_S
             if cost < best:
                 best, best_id, best_excess = cost, n.id, excess
         if best_excess >= self.spill_excess and spill_id is not None:
