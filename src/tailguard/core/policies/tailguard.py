@@ -57,20 +57,20 @@ at this prompt it would send long prompts from busy fast nodes to idle slow
 ones, whose own prefill then blocks them (tried; unstable). ``queue_weight: 0``
 restores the selfish finish time.
 
-Overload (option ``spill_excess``, off by default): when even the best node is
-predicted to miss the SLO by that share or more (0.5 measured best: a burst of
-long prompts has queued up everywhere),
-the finish times no longer say which request can still make it, and the
-least miss is the shortest prefill queue: every request then piles onto the
-nodes whose queues have just drained, stretching the decodes running there,
-and each of them misses too. The request goes instead to the node with the
-most room in its engine (requests in flight against the batch it runs at
-once), as least-request balancing spreads an overload. Measured on long-prompt
-overloads in ``benchmarks/README.md`` ("Overload"); a fleet that keeps its SLO
-never gets there. Off by default because the outlier detector reads the
-spread load as slowness on bursty traces (degradations of healthy nodes in
-``benchmarks/traces.py``); where the detector learns to leave out samples
-timed in a spill, as it does those timed short of KV cache, it can be on.
+Overload (option ``spill_excess``, off by default): when even the best node
+is predicted to miss the SLO by that share or more (0.5 measured best: a
+burst of long prompts has queued up everywhere), the finish times no longer
+say which request can still make it, and the least miss is the shortest
+prefill queue: every request then piles onto the nodes whose queues have just
+drained, stretching the decodes running there, and each of them misses too.
+The request goes instead to the node with the most room in its engine
+(requests in flight against the batch it runs at once), as least-request
+balancing spreads an overload. Measured in ``benchmarks/README.md``
+("overload.py"); a fleet that keeps its SLO never gets there. Off by default
+because the outlier detector reads the spread load as slowness (healthy
+nodes degraded in ``benchmarks/traces.py``'s runs); once the detector leaves
+out samples timed in a spill, as it does those timed short of KV cache, it
+can be on.
 
 Worked example (llama-3.1-8b, slo tpot 0.1 s): an idle L4 predicts a step of
 75 ms, an H100 with 40 requests in flight a step of 12 ms; for a 200-token
@@ -188,6 +188,7 @@ class TailguardPolicy:
         best_id: str | None = None
         best = float("inf")
         best_excess = 0.0
+        spill = self.spill_excess < math.inf
         spill_id: str | None = None
         spill_room = float("inf")
         for n in cands:
@@ -261,11 +262,10 @@ class TailguardPolicy:
                 excess += check / tpot_limit - 1.0
             if excess:
                 cost += excess * _VIOLATION_COST_S
-                # Engine room, for an overload (below): in flight against the batch
-                # it runs at once.
-                room = batch / running if batch > running else batch / q.cap
-                if room < spill_room:
-                    spill_room, spill_id = room, n.id
+                if spill:  # engine room, for an overload: in flight against its batch
+                    room = batch / running if batch > running else batch / q.cap
+                    if room < spill_room:
+                        spill_room, spill_id = room, n.id
             if cost < best:
                 best, best_id, best_excess = cost, n.id, excess
         if best_excess >= self.spill_excess and spill_id is not None:
