@@ -20,6 +20,10 @@ from tailguard.core.replay import replay
 from tailguard.errors import ConfigError
 from tailguard.gateway.app import RunningGateway, run_gateway
 
+# Its bars are wall-clock times (a share expiring within its TTL, a leader moving):
+# `make test` runs it alone, after the rest has run two at a time.
+pytestmark = pytest.mark.solo
+
 TOKEN = "shared-test-token"
 MSG = [{"role": "user", "content": "hi"}]
 
