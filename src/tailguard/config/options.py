@@ -93,7 +93,6 @@ MigrationBlock = block_for(MigrationConfig, bounds={
 })
 
 
-
 def _sample(value: int) -> int:
     if value == 1:
         raise ValueError("must be 0 (every node) or >= 2")
@@ -101,7 +100,8 @@ def _sample(value: int) -> int:
 
 
 def _slo_weight(value: Any) -> Any:
-    """``slo`` (weigh TTFT as the SLOs do) is the default, None; a string is no number."""
+    """``ttft_weight: slo`` (weigh TTFT as the SLOs do) is the default, None; any other
+    string is refused."""
     if isinstance(value, str):
         if value != "slo":
             raise FieldError(None, f"must be a number or 'slo', got {value!r}", ["slo"])
@@ -137,7 +137,7 @@ def parse_policy_options(policy: str, raw: Any, where: str = "policy_options") -
     policy without options)."""
     kind = options_type(policy)
     block = POLICY_OPTIONS.get(policy, NoOptions)
-    assert (block.CORE is kind), f"policy {policy!r} has options without a block here"
+    assert block.CORE is kind, f"policy {policy!r} has options without a block here"
     parsed = parse(block, raw, where)
     return parsed.core() if kind is not None and raw else None
 
