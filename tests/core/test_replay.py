@@ -14,6 +14,7 @@ from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
+from tailguard.core.policies.tailguard import TailguardOptions
 from tailguard.core.replay import replay
 
 MODEL = "llama-3.1-8b"
@@ -24,7 +25,7 @@ def drive(policy: str, seed: int, outliers: OutlierConfig | None = None) -> list
     specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(g), DEFAULT_CATALOG.gpu(g).name,
                       models=(MODEL,), labels={"zone": "a"})
              for i, g in enumerate(["H100", "A100", "L4", "A100"])]
-    b = Balancer(specs, [PoolConfig(MODEL, policy, {}, Slo(1.5, 0.08))],
+    b = Balancer(specs, [PoolConfig(MODEL, policy, None, Slo(1.5, 0.08))],
                  random.Random(seed), recorder=log.append, outliers=outliers)
     rng = random.Random(seed + 1)
     open_tickets = []
@@ -45,7 +46,7 @@ def drive(policy: str, seed: int, outliers: OutlierConfig | None = None) -> list
         if step == 200:
             b.set_state("n2", NodeState.CORDONED)
             b.add_node(NodeSpec("n9", DEFAULT_CATALOG.gpu("H200"), "H200", models=(MODEL,)))
-            b.replace_pool(PoolConfig(MODEL, policy, {}, Slo(2.0, 0.1)))
+            b.replace_pool(PoolConfig(MODEL, policy, None, Slo(2.0, 0.1)))
         if step == 300:
             b.remove_node("n3")
     # The recording must survive a JSON round trip (it is written as JSONL).
@@ -80,11 +81,13 @@ def test_replay_uses_the_recorded_detector_settings() -> None:
 
 def drive_admission(seed: int) -> list[dict[str, Any]]:
     """An overloaded pool with limits and a queue: tickets, queue places, 429s,
-    dispatches from the queue, cancelled waiters, all recorded."""
+    dispatches from the queue, cancelled waiters, all recorded; the policy's options
+    (sampled candidates, the overload spill) go through the record too."""
     log: list[dict[str, Any]] = []
     specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(g), DEFAULT_CATALOG.gpu(g).name,
                       models=(MODEL,)) for i, g in enumerate(["A100", "L4", "L4"])]
-    pool = PoolConfig(MODEL, "tailguard", {}, Slo(1.0, 0.1),
+    options = TailguardOptions(sample=2, spill_excess=0.5)
+    pool = PoolConfig(MODEL, "tailguard", options, Slo(1.0, 0.1),
                       limits=LimitConfig(kind="gradient"),
                       admission=AdmissionConfig(queue_max=16))
     b = Balancer(specs, [pool], random.Random(seed), recorder=log.append)
@@ -141,7 +144,7 @@ def test_replay_reproduces_an_endpoint_pickers_rank_and_take() -> None:
         log: list[dict[str, Any]] = []
         specs = [NodeSpec(f"n{i}", DEFAULT_CATALOG.gpu(g), DEFAULT_CATALOG.gpu(g).name,
                           models=(MODEL,)) for i, g in enumerate(["H100", "A100", "L4"])]
-        b = Balancer(specs, [PoolConfig(MODEL, policy, {}, Slo(1.5, 0.08))],
+        b = Balancer(specs, [PoolConfig(MODEL, policy, None, Slo(1.5, 0.08))],
                      random.Random(3), recorder=log.append)
         rng = random.Random(4)
         now = 0.0
