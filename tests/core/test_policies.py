@@ -127,7 +127,8 @@ def test_tailguard_spreads_an_overload_by_engine_room() -> None:
     # request goes to the node with the most engine room (the first: 5 requests
     # in flight against 21), not to the shorter queue that every request would
     # pile onto.
-    def pick(short: int, spill: float | None = 0.5) -> str:
+    def pick(short: int, spill: float | None = 0.5, at: float = 0.0) -> str:
+        nonlocal b
         options = TailguardOptions(spill_excess=spill)
         b = Balancer([spec("n0", "A100"), spec("n1", "A100")],
                      [PoolConfig(MODEL, "tailguard", options, Slo(1.0, 0.1))], random.Random(1))
@@ -137,10 +138,15 @@ def test_tailguard_spreads_an_overload_by_engine_room() -> None:
         b.set_state("n0", NodeState.DRAINING, Actor.OPERATOR)
         assert all(b.pick(MODEL, 1000, 0.0).node_id == "n1" for _ in range(short))
         b.set_state("n0", NodeState.HEALTHY, Actor.OPERATOR)
-        return b.pick(MODEL, 1000, 0.0).node_id
+        return b.pick(MODEL, 1000, at).node_id
 
+    b: Balancer
     assert pick(10) == "n1"
     assert pick(20) == "n0"
+    # What the node a request spilled onto times then is the load's: the detector
+    # leaves it out (as a node short of KV cache); the other node is judged.
+    assert pick(20, at=10.0) == "n0"
+    assert b.nodes["n0"].kv_short_since(10.0) and not b.nodes["n1"].kv_short_since(10.0)
     assert pick(20, spill=None) == "n1"  # the least miss
     assert pick(20, spill=2.0) == "n1"  # it misses by less than that
 

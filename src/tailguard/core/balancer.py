@@ -323,6 +323,8 @@ class Balancer:
             node_id = self.outliers.canary(nodes, self.rng)  # a canary request
         if node_id is None:
             node_id = pool.policy.choose(nodes, req, now, self.rng)
+            if node_id is not None and getattr(pool.policy, "spilled", False):
+                self.nodes[node_id].overloaded(now)
         if node_id is None:
             return None
         self._ticket_seq += 1

@@ -94,6 +94,13 @@ class Load:
         if at > self.kv_short_at:
             self.kv_short_at = at
 
+    def overloaded(self, now: float) -> None:
+        """The router spilled an overload here (every node of the pool predicted to
+        miss the SLO; ``policies/tailguard.py``, "Overload"): what the node times
+        now is the load's, as when it is short of KV cache, and is left out alike."""
+        if now > self.kv_short_at:
+            self.kv_short_at = now
+
     def kv_short_since(self, since: float) -> bool:
         """Whether the node was seen short of KV cache at ``since`` or later, or so
         shortly before that it was still recomputing what it had preempted."""

@@ -66,11 +66,12 @@ drained, stretching the decodes running there, and each of them misses too.
 The request goes instead to the node with the most room in its engine
 (requests in flight against the batch it runs at once), as least-request
 balancing spreads an overload. Measured in ``benchmarks/README.md``
-("overload.py"); a fleet that keeps its SLO never gets there. Off by default
-because the outlier detector reads the spread load as slowness (healthy
-nodes degraded in ``benchmarks/traces.py``'s runs); once the detector leaves
-out samples timed in a spill, as it does those timed short of KV cache, it
-can be on.
+("overload.py"); a fleet that keeps its SLO never gets there. The node a
+request spilled onto is marked overloaded (``Load.overloaded``), so the
+outlier detector leaves out what it times then, as it does when the node is
+short of KV cache: the spread load is not the node's slowness. Off by default
+because that also hides a throttled node that the spills keep choosing (a
+bursty trace's lone H100: caught after 42 s instead of 8 s).
 
 Worked example (llama-3.1-8b, slo tpot 0.1 s): an idle L4 predicts a step of
 75 ms, an H100 with 40 requests in flight a step of 12 ms; for a 200-token
@@ -146,6 +147,7 @@ class TailguardPolicy:
         self.ttft_weight = opts.ttft_weight
         self.queue_weight = opts.queue_weight
         self.spill_excess = math.inf if opts.spill_excess is None else opts.spill_excess
+        self.spilled = False  # whether the last choice spilled an overload
 
     def _terms(self, req: RequestInfo) -> tuple[float, float, float, float]:
         """The request's expected answer, the context a step attends to at its
@@ -268,9 +270,8 @@ class TailguardPolicy:
                         spill_room, spill_id = room, n.id
             if cost < best:
                 best, best_id, best_excess = cost, n.id, excess
-        if best_excess >= self.spill_excess and spill_id is not None:
-            return spill_id
-        return best_id
+        self.spilled = best_excess >= self.spill_excess and spill_id is not None
+        return spill_id if self.spilled else best_id
 
 
     def choose_pair(self, prefill: Sequence[NodeView], decode: Sequence[NodeView],
