@@ -54,6 +54,7 @@ from tailguard.core.outliers import OutlierConfig, OutlierDetector
 from tailguard.core.outliers.links import LinkWatch
 from tailguard.core.pipeline import PipelinePerf
 from tailguard.core.policies import RequestInfo, make_pair_policy, make_policy
+from tailguard.core.policies.tailguard import TailguardPolicy
 from tailguard.core.pool import (
     DECODE as DECODE,
     PREFILL as PREFILL,
@@ -323,8 +324,9 @@ class Balancer:
             node_id = self.outliers.canary(nodes, self.rng)  # a canary request
         if node_id is None:
             node_id = pool.policy.choose(nodes, req, now, self.rng)
-            if node_id is not None and getattr(pool.policy, "spilled", False):
-                self.nodes[node_id].overloaded(now)
+            if node_id is not None and isinstance(pool.policy, TailguardPolicy) \
+                    and pool.policy.spilled:
+                self.nodes[node_id].kv_short(now)  # its samples now are the overload's
         if node_id is None:
             return None
         self._ticket_seq += 1

@@ -89,17 +89,13 @@ class Load:
             return True
         return False
 
-    def engine_kv_short(self, at: float) -> None:
-        """The engine itself reported requests waiting with its KV cache full at ``at``."""
+    def kv_short(self, at: float) -> None:
+        """The node was loaded past what it serves at ``at``: its engine reported
+        requests waiting with its KV cache full, or the router spilled an
+        overload here (every node of the pool predicted to miss the SLO;
+        ``policies/tailguard.py``, "Overload"). What it times then is the load's."""
         if at > self.kv_short_at:
             self.kv_short_at = at
-
-    def overloaded(self, now: float) -> None:
-        """The router spilled an overload here (every node of the pool predicted to
-        miss the SLO; ``policies/tailguard.py``, "Overload"): what the node times
-        now is the load's, as when it is short of KV cache, and is left out alike."""
-        if now > self.kv_short_at:
-            self.kv_short_at = now
 
     def kv_short_since(self, since: float) -> bool:
         """Whether the node was seen short of KV cache at ``since`` or later, or so

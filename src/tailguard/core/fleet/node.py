@@ -111,7 +111,7 @@ class Node(Lifecycle, Load, PromptWork, Silence, PeerView, Speed):
         """The engine's latest report (or NOT_REPORTED-like values when stale)."""
         self.engine = report
         if report.waiting > 0 and report.kv_usage >= KV_SHORT:
-            self.engine_kv_short(report.at)
+            self.kv_short(report.at)
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"

@@ -67,7 +67,7 @@ The request goes instead to the node with the most room in its engine
 (requests in flight against the batch it runs at once), as least-request
 balancing spreads an overload. Measured in ``benchmarks/README.md``
 ("overload.py"); a fleet that keeps its SLO never gets there. The node a
-request spilled onto is marked overloaded (``Load.overloaded``), so the
+request spilled onto is marked overloaded (``Load.kv_short``), so the
 outlier detector leaves out what it times then, as it does when the node is
 short of KV cache: the spread load is not the node's slowness. Off by default
 because that also hides a throttled node that the spills keep choosing (a
