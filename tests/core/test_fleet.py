@@ -101,6 +101,8 @@ def test_the_detector_lifecycle_is_a_cycle_back_to_healthy() -> None:
         n.reweigh(0.3)
         assert n.move(to, Actor.DETECTOR)
     assert n.weight_scale == 1.0  # healthy again means the full weight, whoever moved it
+    n.reweigh(1.7)
+    assert n.weight_scale == 1.0  # a weight only lowers a node's share (the router's bounds)
     # Every state any writer reaches, some writer can leave.
     reachable = {s for table in TRANSITIONS.values() for outs in table.values() for s in outs}
     assert all(any(table.get(s) for table in TRANSITIONS.values()) for s in reachable)

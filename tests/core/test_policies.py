@@ -12,6 +12,7 @@ from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import OWED_S, TRANSITIONS, Actor, NodeSpec, NodeState, Outcome
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import Slo, make_policy, policy_names
+from tailguard.core.policies.base import RequestInfo
 from tailguard.core.policies.tailguard import TailguardOptions
 from tailguard.core.predict import (
     decode_step_s,
@@ -149,6 +150,39 @@ def test_tailguard_spreads_an_overload_by_engine_room() -> None:
     assert b.nodes["n0"].kv_short_since(10.0) and not b.nodes["n1"].kv_short_since(10.0)
     assert pick(20, spill=None) == "n1"  # the least miss
     assert pick(20, spill=2.0) == "n1"  # it misses by less than that
+
+
+@settings(max_examples=60, deadline=None)
+@given(gpus=st.lists(st.sampled_from(["H100", "A100", "L40S", "L4", "T4"]), min_size=1,
+                     max_size=12),
+       seed=st.integers(0, 10_000))
+def test_tailguard_passing_over_a_class_never_changes_the_choice(gpus: list[str],
+                                                                 seed: int) -> None:
+    # The policy skips a whole shape whose idle node cannot beat the best cost so
+    # far. Checked against the same policy made to examine every shape (an
+    # overload spill that never fires turns the skip off), on loaded fleets with
+    # learned class speeds, degraded nodes and cached prefixes.
+    rng = random.Random(seed)
+    b = balancer("tailguard", gpus, seed)
+    pool = b.pools[MODEL]
+    every = make_policy("tailguard", Slo(), TailguardOptions(spill_excess=1e9))
+    for _ in range(rng.randrange(0, 40)):
+        b.pick(MODEL, rng.choice([50, 800, 4000, 16000]), 0.0)
+    for gpu_class in {n.spec.gpu_class for n in b.nodes.values()}:
+        d, p = rng.uniform(0.5, 3.0), rng.uniform(0.5, 3.0)
+        for n in b.nodes.values():
+            if n.spec.gpu_class == gpu_class:
+                n.set_class_speed(d, p, rng.choice([1.0, 1.0, 1.5]))
+    for n in b.nodes.values():
+        if rng.random() < 0.3:
+            n.reweigh(rng.uniform(0.1, 1.0))
+    nodes = pool.eligible()
+    for _ in range(20):
+        prompt = rng.choice([10, 300, 2000, 9000])
+        cached = {n.id: rng.randrange(prompt) for n in nodes if rng.random() < 0.3}
+        req = RequestInfo(MODEL, prompt, rng.choice([None, 5, 500]), rng.uniform(20, 600),
+                          rng.uniform(100, 8000), cached=cached)
+        assert pool.policy.choose(nodes, req, 1.0, rng) == every.choose(nodes, req, 1.0, rng)
 
 
 def test_router_and_learner_cap_the_batch_at_the_engine_slots() -> None:

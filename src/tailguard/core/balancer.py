@@ -310,7 +310,9 @@ class Balancer:
         if exclude:
             nodes = [n for n in nodes if n.id not in exclude]
         if pool.limited:
-            nodes = [n for n in nodes if n.limiter is None or n.limiter.has_room()]
+            roomy = [n for n in nodes if n.limiter is None or n.limiter.has_room()]
+            if len(roomy) < len(nodes):  # (else the pool's own list, which policies key on)
+                nodes = roomy
         if not nodes:
             return None
         hits = pool.index().match(prefix) if prefix else {}

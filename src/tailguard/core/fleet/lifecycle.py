@@ -115,5 +115,6 @@ class Lifecycle:
         self.on_state_change = hook
 
     def reweigh(self, weight_scale: float) -> None:
-        """The detector's weight for the node (its state stays)."""
-        self.weight_scale = weight_scale
+        """The detector's weight for the node (its state stays). A weight only ever
+        lowers a node's share: at most 1, which the router's bounds rely on."""
+        self.weight_scale = weight_scale if weight_scale < 1.0 else 1.0

@@ -31,7 +31,11 @@ from tailguard.core.limits import Limiter
 
 
 class NodeView(Protocol):
-    """What a routing policy may read about a node. Never written by a policy."""
+    """What a routing policy may read about a node. Never written by a policy.
+
+    ``weight_scale`` is in (0, 1]; the nodes of one ``spec.gpu_class`` share their
+    ``class_*_slowdown`` values (the router bounds a whole class by them).
+    """
 
     @property
     def id(self) -> str: ...

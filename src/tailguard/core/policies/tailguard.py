@@ -148,6 +148,9 @@ class TailguardPolicy:
         self.queue_weight = opts.queue_weight
         self.spill_excess = math.inf if opts.spill_excess is None else opts.spill_excess
         self.spilled = False  # whether the last choice spilled an overload
+        # The last candidate list grouped by shape (_shapes), and its groups.
+        self._grouped: Sequence[NodeView] | None = None
+        self._groups: list[tuple[PerfModel, int, list[NodeView]]] = []
 
     def _terms(self, req: RequestInfo) -> tuple[float, float, float, float]:
         """The request's expected answer, the context a step attends to at its
@@ -167,8 +170,12 @@ class TailguardPolicy:
         """The candidate of least predicted cost (the class docstring's model).
 
         The loop over the candidates is every routing decision's hot path, so
-        each node's estimate stays inline, and what its hardware alone decides
-        comes from :class:`_Quote` (computed once per GPU type, not per node).
+        each node's estimate stays inline. The candidates go by engine shape
+        (:meth:`_shapes`): what a shape's hardware alone decides is quoted once
+        (:class:`_Quote`), and a shape whose idle node, at its class's speed and
+        full weight, cannot beat the best cost so far is passed over whole (in a
+        mixed fleet the weak classes rarely can; their nodes are not read).
+        Shapes go cheapest first; among equal costs the first node examined wins.
         """
         if not nodes:
             return None
@@ -177,9 +184,6 @@ class TailguardPolicy:
             cands = rng.sample(list(nodes), self.sample)
         prompt = req.prompt_tokens
         out, ctx, footprint, ttft_weight = self._terms(req)
-        # id(perf) -> this request's quote for that engine shape (nodes of one GPU type
-        # share their prior: Balancer._prior)
-        shapes: dict[int, _Quote] = {}
         ttft_limit = self.slo.ttft_s * self.headroom
         tpot_limit = self.slo.tpot_s * self.headroom
         queue_weight = self.queue_weight
@@ -187,92 +191,125 @@ class TailguardPolicy:
         # The most of this prompt any node holds: prefill done elsewhere is work a
         # holder would not have had to do (charged below as an externality).
         top = min(max(cached.values()), prompt - 1) if cached else 0
+        spill = self.spill_excess < math.inf
+        # Each shape's quote and floor: the cost of its idle node (one running
+        # sequence, no wait, no prompt duty, the least prefill any node has left,
+        # weight 1) that no node of the shape can go below (weights are at most 1,
+        # steps grow with the batch, a class's nodes share its slowdowns).
+        runs: list[tuple[float, _Quote, list[NodeView]]] = []
+        for perf, slots, members in self._shapes(cands):
+            q = _Quote(perf, slots, prompt, ctx, footprint)
+            idle = q.steps[1] = decode_step_s(perf, 1, ctx)
+            first = members[0]
+            tpot = idle * first.class_decode_slowdown
+            own = q.prefill if not top else prefill_s(perf, 0, prompt - top)
+            runs.append((ttft_weight * (own * first.class_prefill_slowdown + tpot) + out * tpot,
+                         q, members))
+        if len(runs) > 1 and not spill:  # (a spill weighs the nodes examined, in order)
+            runs.sort(key=_floor)
         best_id: str | None = None
         best = float("inf")
         best_excess = 0.0
-        spill = self.spill_excess < math.inf
         spill_id: str | None = None
         spill_room = float("inf")
-        for n in cands:
-            perf = n.perf
-            q = shapes.get(id(perf))
-            if q is None or q.slots != n.slots:
-                q = shapes[id(perf)] = _Quote(perf, n.slots, prompt, ctx, footprint)
-            if n.remote_ratio == 0.0:  # one gateway: the fleet's counts are its own
-                batch, backlog = n.in_flight + 1, n.prefill_backlog
-            else:
-                batch, backlog = n.fleet_in_flight + 1, n.fleet_backlog
-            running = batch if batch <= q.cap else q.cap
-            pslow = n.class_prefill_slowdown
-            dslow = n.class_decode_slowdown
-            step = q.steps.get(running)
-            if step is None:
-                step = q.steps[running] = decode_step_s(perf, running, ctx)
-            tpot = step * dslow
-            if cached:
-                # A prefix the node holds is prefill it need not do.
-                work = prompt - min(cached.get(n.id, 0), prompt - 1)
-                own = q.prefill if work == prompt else prefill_s(perf, 0, work)
-            else:
-                work, own = prompt, q.prefill
-            # The cost below with no wait, no prompt duty and no SLO miss, none of
-            # which can lower it: a node that cannot win even so is passed over.
-            if (ttft_weight * (own * pslow + tpot) + out * tpot) / n.weight_scale >= best:
+        for floor, q, members in runs:
+            if floor >= best and not spill:
                 continue
-            check = tpot
-            duty = n.duty
-            if duty > 0.0:
-                scale = (1.0 + n.remote_ratio) * pslow
-                duty *= scale
-                # The cap (a step that always carries a chunk) is only looked up
-                # where it can bind: a prompt riding in a step's spare compute
-                # adds little work, so a low duty never stretches past it.
-                tpot = interleaved_tpot(tpot, duty, saturated_step_s(perf, running, ctx) * dslow
-                                        if duty > _CAP_DUTY else math.inf)
-                # How unlucky this answer may be: the prompt work landing in its
-                # decode (out * tpot seconds) is a Poisson sum of prompts, whose
-                # spread over its tokens the SLO check adds.
-                check = tpot + _SPREAD_Z * math.sqrt(n.duty_sq * scale * pslow * tpot / out)
+            perf = q.perf
+            cap = q.cap
+            steps = q.steps
             ptok = q.token_s
-            wait = backlog * ptok * pslow
-            if now > n.overdue_at:
-                # A node silent past its oldest prompt's due time (stalled) holds
-                # a new prompt at least that much longer (Node.overdue_s).
-                wait += n.overdue_s(now)
-            ttft = wait + own * pslow + tpot
-            if batch > running:
-                # Queued in the engine: wait for (batch - running) of the running
-                # requests to finish; they complete at about running per service time.
-                engine_wait = (batch - running) * (ttft + out * tpot) / running
-                ttft += engine_wait
-                wait += engine_wait
-            if top:
-                # Placed away from the best holder, the prompt's extra prefill delays
-                # whoever queues behind it here, as a backlog of that size would.
-                wait += (work - (prompt - top)) * ptok * pslow
-            cost = (ttft_weight * (ttft + queue_weight * wait) + out * tpot) / n.weight_scale
-            excess = 0.0
-            if ttft > ttft_limit:
-                excess += ttft / ttft_limit - 1.0
-            # The SLO is kept at the node's own measured speed where that is clearly
-            # slower than its class's (Node.decode_excess): a card 1.4x slow for its
-            # class is below what the detector flags, and priced at the class's
-            # speed its answers miss.
-            if n.decode_excess != 1.0:
-                check *= n.decode_excess
-            if check > tpot_limit:
-                excess += check / tpot_limit - 1.0
-            if excess:
-                cost += excess * _VIOLATION_COST_S
-                if spill:  # engine room, for an overload: in flight against its batch
-                    room = batch / running if batch > running else batch / q.cap
-                    if room < spill_room:
-                        spill_room, spill_id = room, n.id
-            if cost < best:
-                best, best_id, best_excess = cost, n.id, excess
+            for n in members:
+                if n.remote_ratio == 0.0:  # one gateway: the fleet's counts are its own
+                    batch, backlog = n.in_flight + 1, n.prefill_backlog
+                else:
+                    batch, backlog = n.fleet_in_flight + 1, n.fleet_backlog
+                running = batch if batch <= cap else cap
+                pslow = n.class_prefill_slowdown
+                dslow = n.class_decode_slowdown
+                step = steps.get(running)
+                if step is None:
+                    step = steps[running] = decode_step_s(perf, running, ctx)
+                tpot = step * dslow
+                if cached:
+                    # A prefix the node holds is prefill it need not do.
+                    work = prompt - min(cached.get(n.id, 0), prompt - 1)
+                    own = q.prefill if work == prompt else prefill_s(perf, 0, work)
+                else:
+                    work, own = prompt, q.prefill
+                # The cost below with no wait, no prompt duty and no SLO miss, none of
+                # which can lower it: a node that cannot win even so is passed over.
+                if (ttft_weight * (own * pslow + tpot) + out * tpot) / n.weight_scale >= best:
+                    continue
+                check = tpot
+                duty = n.duty
+                if duty > 0.0:
+                    scale = (1.0 + n.remote_ratio) * pslow
+                    duty *= scale
+                    # The cap (a step that always carries a chunk) is only looked up
+                    # where it can bind: a prompt riding in a step's spare compute
+                    # adds little work, so a low duty never stretches past it.
+                    tpot = interleaved_tpot(tpot, duty,
+                                            saturated_step_s(perf, running, ctx) * dslow
+                                            if duty > _CAP_DUTY else math.inf)
+                    # How unlucky this answer may be: the prompt work landing in its
+                    # decode (out * tpot seconds) is a Poisson sum of prompts, whose
+                    # spread over its tokens the SLO check adds.
+                    check = tpot + _SPREAD_Z * math.sqrt(n.duty_sq * scale * pslow * tpot / out)
+                wait = backlog * ptok * pslow
+                if now > n.overdue_at:
+                    # A node silent past its oldest prompt's due time (stalled) holds
+                    # a new prompt at least that much longer (Node.overdue_s).
+                    wait += n.overdue_s(now)
+                ttft = wait + own * pslow + tpot
+                if batch > running:
+                    # Queued in the engine: wait for (batch - running) of the running
+                    # requests to finish; they complete at about running per service time.
+                    engine_wait = (batch - running) * (ttft + out * tpot) / running
+                    ttft += engine_wait
+                    wait += engine_wait
+                if top:
+                    # Placed away from the best holder, the prompt's extra prefill delays
+                    # whoever queues behind it here, as a backlog of that size would.
+                    wait += (work - (prompt - top)) * ptok * pslow
+                cost = (ttft_weight * (ttft + queue_weight * wait) + out * tpot) / n.weight_scale
+                excess = 0.0
+                if ttft > ttft_limit:
+                    excess += ttft / ttft_limit - 1.0
+                # The SLO is kept at the node's own measured speed where that is clearly
+                # slower than its class's (Node.decode_excess): a card 1.4x slow for its
+                # class is below what the detector flags, and priced at the class's
+                # speed its answers miss.
+                if n.decode_excess != 1.0:
+                    check *= n.decode_excess
+                if check > tpot_limit:
+                    excess += check / tpot_limit - 1.0
+                if excess:
+                    cost += excess * _VIOLATION_COST_S
+                    if spill:  # engine room, for an overload: in flight against its batch
+                        room = batch / running if batch > running else batch / cap
+                        if room < spill_room:
+                            spill_room, spill_id = room, n.id
+                if cost < best:
+                    best, best_id, best_excess = cost, n.id, excess
         self.spilled = best_excess >= self.spill_excess and spill_id is not None
         return spill_id if self.spilled else best_id
 
+    def _shapes(self, nodes: Sequence[NodeView]
+                ) -> list[tuple[PerfModel, int, list[NodeView]]]:
+        """``nodes`` by engine shape (their prior, their slots) and GPU class, in the
+        order each first appears. Kept while the balancer passes the same list (its
+        pool's routable nodes, rebuilt when one changes state)."""
+        if nodes is self._grouped:
+            return self._groups
+        groups: dict[tuple[int, int, str], tuple[PerfModel, int, list[NodeView]]] = {}
+        for n in nodes:
+            g = groups.get((id(n.perf), n.slots, n.spec.gpu_class))
+            if g is None:
+                g = groups[(id(n.perf), n.slots, n.spec.gpu_class)] = (n.perf, n.slots, [])
+            g[2].append(n)
+        self._grouped, self._groups = nodes, list(groups.values())
+        return self._groups
 
     def choose_pair(self, prefill: Sequence[NodeView], decode: Sequence[NodeView],
                     req: RequestInfo, now: float, rng: Random,
@@ -396,15 +433,20 @@ class TailguardPolicy:
         return best_pair
 
 
+def _floor(run: tuple[float, _Quote, list[NodeView]]) -> float:
+    return run[0]
+
+
 class _Quote:
     """What one engine shape (a PerfModel with a slot count) predicts for one request,
     whatever its load: the running-batch cap, the prompt's own prefill, the per-token
     cost of a backlog, and decode steps by running batch as they are asked for."""
 
-    __slots__ = ("cap", "prefill", "slots", "steps", "token_s")
+    __slots__ = ("cap", "perf", "prefill", "slots", "steps", "token_s")
 
     def __init__(self, perf: PerfModel, slots: int, prompt: int, ctx: float,
                  footprint: float) -> None:
+        self.perf = perf
         self.slots = slots
         self.cap = running_batch(perf, slots, slots, footprint)
         self.token_s = prefill_token_s(perf)
