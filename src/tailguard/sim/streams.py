@@ -11,60 +11,59 @@ exchange said there is nothing to judge yet.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Sequence
 
 from tailguard.core.exchange import COMMITTED, Copy, Exchange
 from tailguard.sim.nodes import SimNode
 
 
-class _Stream:
-    """A committed stream, and when to tell its exchange again."""
-
-    __slots__ = ("copy", "due", "exchange")
-
-    def __init__(self, exchange: Exchange, copy: Copy, due: float) -> None:
-        self.exchange = exchange
-        self.copy = copy
-        self.due = due
-
-
 class StreamReports:
-    """The committed streams by copy id (the engine's request id)."""
+    """The committed streams, by when each is next worth telling about."""
 
-    __slots__ = ("streams",)
+    __slots__ = ("_due", "_order")
 
     def __init__(self) -> None:
-        self.streams: dict[int, _Stream] = {}
+        # (due, commit order, copy id, its exchange, the copy): a tick pops only the
+        # streams due, and tells them in the order they were committed.
+        self._due: list[tuple[float, int, int, Exchange, Copy]] = []
+        self._order = 0
 
     def __bool__(self) -> bool:
-        return bool(self.streams)
+        return bool(self._due)
 
     def committed(self, ex: Exchange, copy: Copy, now: float) -> None:
         """``copy`` of ``ex`` streams from ``now`` on."""
-        self.streams[copy.io] = _Stream(ex, copy, now)
+        self._order += 1
+        heapq.heappush(self._due, (now, self._order, copy.io, ex, copy))
 
     def report(self, now: float, nodes: Sequence[SimNode], copy_node: Sequence[int],
                one_way_s: float) -> None:
-        """Tell each stream's exchange the tokens seen by ``now`` (generated a one-way
-        trip, plus the node's extra delay, earlier); forget the ended ones."""
-        streams = self.streams
-        ended: list[int] = []
-        for cid, entry in streams.items():
-            ex, copy = entry.exchange, entry.copy
+        """Tell each stream due by ``now`` its exchange the tokens seen by then
+        (generated a one-way trip, plus the node's extra delay, earlier); forget the
+        ended ones."""
+        due = self._due
+        ready = []
+        while due and due[0][0] <= now:
+            ready.append(heapq.heappop(due))
+        if len(ready) > 1:
+            ready.sort(key=_commit_order)
+        for _, order, cid, ex, copy in ready:
             if ex.ended is not None or copy.state != COMMITTED:
-                ended.append(cid)
-                continue
-            if entry.due > now:  # nothing to judge yet (what the exchange said)
                 continue
             ns = nodes[copy_node[cid]]
             try:
                 tokens = ns.engine.tokens_by(cid, now - one_way_s - ns.delay)
             except KeyError:  # ended at the engine; its end is on the way
-                ended.append(cid)
                 continue
-            entry.due = ex.streaming(copy, tokens, now)
-        for cid in ended:
-            del streams[cid]
+            when = ex.streaming(copy, tokens, now)
+            if when < math.inf:
+                heapq.heappush(due, (when, order, cid, ex, copy))
+
+
+def _commit_order(entry: tuple[float, int, int, Exchange, Copy]) -> int:
+    return entry[1]
 
 
 __all__ = ["StreamReports"]
