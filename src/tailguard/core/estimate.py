@@ -100,9 +100,14 @@ class LogRatio:
             return
         x = math.log(observed / expected)
         # Clamp single samples: one hiccup must not swing capacity by 100x.
-        x = max(-3.0, min(3.0, x))
+        if x > 3.0:
+            x = 3.0
+        elif x < -3.0:
+            x = -3.0
         self.weight += 1.0
-        step = max(self.alpha, 1.0 / self.weight)
+        step = 1.0 / self.weight
+        if step < self.alpha:
+            step = self.alpha
         self.log_ratio += step * (x - self.log_ratio)
         self.samples += 1
 

@@ -40,7 +40,7 @@ CACHE_HIT_RATIO = 0.25
 class Learner:
     """What answers teach the nodes' estimators and the outlier detector."""
 
-    __slots__ = ("_memo", "_memo_own", "admission", "double_release", "links", "outliers")
+    __slots__ = ("_memo", "admission", "double_release", "links", "outliers")
 
     def __init__(self, outliers: OutlierDetector | None, admission: Admission,
                  links: LinkWatch | None = None) -> None:
@@ -48,9 +48,8 @@ class Learner:
         self.links = links  # hand-off samples of disaggregated requests, per pair
         self.admission = admission
         self.double_release = 0  # finishes for an already released ticket
-        # node id -> decode_expected's last answer: (its inputs, its answer); given areas, own
+        # node id -> decode_expected's last answer for a piece: (its inputs, its answer)
         self._memo: dict[str, tuple[tuple[object, ...], tuple[int, float, float]]] = {}
-        self._memo_own: dict[str, tuple[tuple[object, ...], tuple[int, float, float]]] = {}
 
     def first_token(self, ticket: Ticket, now: float, *, defer_prefill: bool = False) -> bool:
         """The request's first token arrived; False if it changes nothing (the
@@ -245,17 +244,19 @@ class Learner:
         learned decode speed corrects.
         """
         node, pool = ticket.node, ticket.pool
-        # The streams of one node told at one tick share all of it (the simulator
-        # tells each one each second): computed once for them.
         pslow = node.class_prefill_slowdown
-        if areas_then is not None and self.outliers is not None:
-            pslow = self.outliers.judged_prefill_slowdown(node)
-        key = (pool.name, batch_then, since, work_then, areas_then, now, node.fleet_in_flight,
-               pool.mean_prompt, pool.mean_output, pslow, node.remote_ratio)
-        memos = self._memo if areas_then is None else self._memo_own
-        memo = memos.get(node.id)
-        if memo is not None and memo[0] == key:
-            return memo[1]
+        key: tuple[object, ...] = ()
+        if areas_then is not None:
+            if self.outliers is not None:
+                pslow = self.outliers.judged_prefill_slowdown(node)
+            # The pieces of one node's streams judged at one tick share all of it
+            # (the simulator tells each stream each second): computed once for them.
+            key = (pool.name, batch_then, since, work_then, areas_then, now,
+                   node.fleet_in_flight, pool.mean_prompt, pool.mean_output, pslow,
+                   node.remote_ratio)
+            memo = self._memo.get(node.id)
+            if memo is not None and memo[0] == key:
+                return memo[1]
         prompt = pool.mean_prompt
         if areas_then is not None:
             ctx_area, dec_area = node.areas_at(now)
@@ -276,7 +277,8 @@ class Learner:
                 cap = max(cap, step + node.chunk_s() * pslow)
             step = interleaved_tpot(step, duty, cap)
         answer = (batch, step, alone / step)
-        memos[node.id] = (key, answer)
+        if key:
+            self._memo[node.id] = (key, answer)
         return answer
 
     def stream_progress(self, ticket: Ticket, tokens: int, now: float) -> float:
