@@ -249,6 +249,9 @@ class ClusterSim:
         # detector judges long answers piece by piece here as it does live.
         det = balancer.outliers
         self.judge_pieces = det is not None and det.config.segment_s > 0.0
+        # A stream's first piece is judged no sooner than this after its first token
+        # (Learner.stream_progress): the first time it is worth telling.
+        self.piece_s = det.config.segment_s if det is not None else 0.0
         self.streaming = StreamReports()
         # Mid-stream migration: the streams each node holds, its long steps, the
         # reviews a gateway's stall clock would make, and each request's longest gap.
@@ -523,7 +526,7 @@ class ClusterSim:
                 self.rec.first[ex.tag] = now
             self.rec.node[ex.tag] = self.copy_node[copy.io]
             if self.judge_pieces:
-                self.streaming.committed(ex, copy, now)
+                self.streaming.committed(ex, copy, now + self.piece_s)
             if self.moving:
                 self.watch.committed(ex, copy, now)
         if self.limited:  # a shorter prompt backlog may have let a waiter go

@@ -33,10 +33,10 @@ class StreamReports:
     def __bool__(self) -> bool:
         return bool(self._due)
 
-    def committed(self, ex: Exchange, copy: Copy, now: float) -> None:
-        """``copy`` of ``ex`` streams from ``now`` on."""
+    def committed(self, ex: Exchange, copy: Copy, due: float) -> None:
+        """``copy`` of ``ex`` streams; its exchange is first worth telling at ``due``."""
         self._order += 1
-        heapq.heappush(self._due, (now, self._order, copy.io, ex, copy))
+        heapq.heappush(self._due, (due, self._order, copy.io, ex, copy))
 
     def report(self, now: float, nodes: Sequence[SimNode], copy_node: Sequence[int],
                one_way_s: float) -> None:
