@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.sim import fleet_bound as fleet_bound_module
 from tailguard.sim.fleet_bound import binding_slos, fleet_bound
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import PolicyChoice, parse_scenario
@@ -48,6 +49,31 @@ def test_long_prompts_split_the_fleet_and_the_bound_holds() -> None:
                        [PolicyChoice("tailguard")])
         runs[share] = res["results"]["tailguard"]["slo_attainment"]
     assert runs[0.7] >= 0.99 and runs[2.0] < 0.9
+
+
+def test_requests_no_class_serves_take_the_strongest_class_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A heavy tail of prompts beyond every class's TTFT: they are misses, but a
+    # router still sends them to a node, whose time they take. The bound charges
+    # that time to the strongest class: the bound is lower than one that leaves it
+    # out, and within what that class carries beside them.
+    scn = parse_scenario(scenario(9.4))
+    charged = fleet_bound(scn)
+    assert charged.bands is not None and 0.0 < charged.missed < 0.02
+    h100 = charged.bands["H100-SXM"]
+    share, work = fleet_bound_module._lost_work(
+        scn, [_top_class(scn)], fleet_bound_module.ProbeStream.shared(scn))
+    assert 0.0 < share < 0.02 and work > 1.0  # seconds of an H100 each
+    monkeypatch.setattr(fleet_bound_module, "_lost_work", lambda *a: (0.0, 0.0))
+    free = fleet_bound(scn)
+    assert free.bands is not None and charged.bound < free.bound
+    cap = charged.nodes["H100-SXM#0"]
+    assert charged.bound <= 2 * cap / (h100.share + share * work * cap) * (1 + 1e-9)
+
+
+def _top_class(scn: Any) -> Any:
+    plan = next(p for p in scn.nodes() if p.id.startswith("H100"))
+    return fleet_bound_module._Class("H100-SXM", plan, [plan.id], [], [])
 
 
 def test_short_prompts_keep_the_sum_of_the_nodes() -> None:

@@ -213,6 +213,29 @@ def _binds(perf: PerfModel, engine: EngineConfig, slo: Slo, stream: ProbeStream,
     return "tpot" if tpot > ttft else "ttft"
 
 
+# Requests drawn to measure the share of the requests no class serves and their
+# work (a thin tail of the prompt lengths: the probes' 1,500 hold a handful).
+LOST_SAMPLE = 20_000
+
+
+def _lost_work(scn: Scenario, classes: list[_Class], stream: ProbeStream
+               ) -> tuple[float, float]:
+    """The share of the workload's requests that no class serves alone (over
+    LOST_SAMPLE of them), and the mean seconds of a node of the strongest class
+    (the last) each takes (0 for one whose KV it cannot hold: the engine refuses it)."""
+    stream.grow(LOST_SAMPLE)
+    perf, engine = classes[-1].plan.perf, classes[-1].plan.engine
+    kv = engine.kv_capacity_tokens or perf.kv_capacity_tokens
+    lost, work = 0, 0.0
+    for p, o in zip(stream.prompts[:LOST_SAMPLE], stream.outputs[:LOST_SAMPLE], strict=True):
+        if any(_feasible(c.plan.perf, c.plan.engine, scn, p, o) for c in classes):
+            continue
+        lost += 1
+        if p + o <= kv:
+            work += _work(perf, engine, scn, p, o)
+    return lost / LOST_SAMPLE, work / lost if lost else 0.0
+
+
 def _split(scn: Scenario, classes: list[_Class], stream: ProbeStream) -> FleetCapacity | None:
     prompts, outputs = stream.prompts[:PROBE_REQUESTS], stream.outputs[:PROBE_REQUESTS]
     n = len(prompts)
@@ -228,8 +251,11 @@ def _split(scn: Scenario, classes: list[_Class], stream: ProbeStream) -> FleetCa
         return FleetCapacity(dict.fromkeys((nid for c in classes for nid in c.ids), 0.0),
                              0.0, None, missed)
     # Each band is rated at the fleet's own target: the requests no class serves
-    # (``missed``) are left out of every band, and so out of the bound.
+    # (``missed``) are left out of every band. They still take a node's time (a
+    # router sends them somewhere, and they miss there): the strongest class's
+    # rate is what its nodes carry of its band beside them (_lost_work).
     slo = scn.slo
+    lost_share, lost_work = _lost_work(scn, classes, stream)
     best: FleetCapacity | None = None
     for _ in range(PASSES):
         bands = _balance(classes, order)
@@ -247,7 +273,12 @@ def _split(scn: Scenario, classes: list[_Class], stream: ProbeStream) -> FleetCa
             caps[c.name] = cap
             binds = _binds(c.plan.perf, c.plan.engine, slo, band, cap * 1.15) if cap > 0 else "-"
             out_bands[c.name] = Band(prompts[lo], prompts[hi], share, binds)
-            rates.append(len(c.ids) * cap / share)
+            if c is classes[-1] and lost_work > 0.0:
+                # At a fleet rate R its nodes take R x share of the band and spend
+                # R x lost_share x lost_work seconds a second on the lost ones.
+                rates.append(len(c.ids) * cap / (share + lost_share * lost_work * cap))
+            else:
+                rates.append(len(c.ids) * cap / share)
             # What a node of the class carried per unit of balanced work: the next
             # pass gives a class that did better more of the work.
             work = sum(c.work[order[k]] for k in range(start, end)) / (end - start)
