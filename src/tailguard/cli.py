@@ -220,7 +220,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         out.print("Some nodes cannot serve the whole mix (\"missed alone\"), so the fleet is "
                   "split: each class is rated on its band of the requests by prompt length, "
                   "its nodes pooled, and the fleet's bound is the rate at which every class "
-                  f"carries its share ({fc.missed:.2%} of the requests no node serves).")
+                  f"carries its share ({fc.missed:.2%} of the requests no node serves: they "
+                  "miss, and the strongest class's rate counts the time they take it).")
     elif fc.bound <= 0.0 and fc.missed > allowed:
         out.print(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
                   f"more than the {allowed:.1%} the attainment target allows: no rate "
