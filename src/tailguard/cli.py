@@ -220,8 +220,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         out.print("Some nodes cannot serve the whole mix (\"missed alone\"), so the fleet is "
                   "split: each class is rated on its band of the requests by prompt length, "
                   "its nodes pooled, and the fleet's bound is the rate at which every class "
-                  f"carries its share ({fc.missed:.2%} of the requests no node serves: they "
-                  "miss, and the strongest class's rate counts the time they take it).")
+                  f"carries its share ({fc.missed:.2%} of the requests no node serves"
+                  + (f"; {fc.lost_share:.2%} of a larger draw, {fc.lost_work_s:.1f} s each "
+                     f"on one {fc.lost_class} node: they miss, and that class's rate counts "
+                     "the time they take it" if fc.lost_work_s else "")
+                  + ").")
     elif fc.bound <= 0.0 and fc.missed > allowed:
         out.print(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
                   f"more than the {allowed:.1%} the attainment target allows: no rate "
@@ -241,6 +244,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             doc["capacity_bands"] = {name: {"prompt_tokens": [b.prompt_min, b.prompt_max],
                                             "share": b.share} for name, b in fc.bands.items()}
             doc["missed_by_all"] = fc.missed
+            doc["missed_work"] = {"share": fc.lost_share, "class": fc.lost_class,
+                                  "seconds_each": fc.lost_work_s}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

@@ -3,10 +3,14 @@ long prompts split the fleet into bands, and the bound means what it says."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from tailguard.cli import main
 from tailguard.core.policies.tailguard import TailguardOptions
 from tailguard.sim import fleet_bound as fleet_bound_module
 from tailguard.sim.fleet_bound import binding_slos, fleet_bound
@@ -69,6 +73,21 @@ def test_requests_no_class_serves_take_the_strongest_class_time(
     assert free.bands is not None and charged.bound < free.bound
     cap = charged.nodes["H100-SXM#0"]
     assert charged.bound <= 2 * cap / (h100.share + share * work * cap) * (1 + 1e-9)
+
+
+def test_tailguard_capacity_names_what_the_requests_no_class_serves_cost(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = scenario(9.4)
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "capacity.json"
+    assert main(["capacity", str(path), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    lost = doc["missed_work"]
+    assert lost["class"] == "H100-SXM" and 0.0 < lost["share"] < 0.02
+    assert lost["seconds_each"] > 1.0
+    assert doc["capacity_bound_rps"] == pytest.approx(fleet_bound(parse_scenario(spec)).bound)
+    assert "s each on one H100-SXM node" in " ".join(capsys.readouterr().out.split())
 
 
 def _top_class(scn: Any) -> Any:

@@ -82,6 +82,11 @@ class FleetCapacity:
     bound: float
     bands: dict[str, Band] | None = None
     missed: float = 0.0  # share of requests no class serves (split only)
+    # ... over a larger draw, the strongest class, and the seconds of its node each
+    # takes (split only: what that class's rate counts beside its band).
+    lost_share: float = 0.0
+    lost_class: str = ""
+    lost_work_s: float = 0.0
 
 
 class BandStream(ProbeStream):
@@ -285,7 +290,8 @@ def _split(scn: Scenario, classes: list[_Class], stream: ProbeStream) -> FleetCa
             c.weight = max(1e-9, cap * work)
         bound = min(rates) if rates else 0.0
         nodes = {nid: caps[c.name] for c in classes for nid in c.ids}
-        found = FleetCapacity(nodes, bound, out_bands, missed)
+        found = FleetCapacity(nodes, bound, out_bands, missed, lost_share,
+                              classes[-1].name, lost_work)
         if best is None or found.bound > best.bound:
             best = found
     return best
