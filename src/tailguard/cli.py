@@ -217,14 +217,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                   "phases (`tailguard sim --find-goodput` measures the fleet as it is).")
     allowed = 1.0 - scn.slo.attainment
     if split:
+        lost = (f"; {fc.lost_share:.2%} of a larger draw, {fc.lost_work_s:.1f} s each on one "
+                f"{fc.lost_class} node: they miss, and that class's rate counts the time they "
+                "take it") if fc.lost_work_s else ""
         out.print("Some nodes cannot serve the whole mix (\"missed alone\"), so the fleet is "
                   "split: each class is rated on its band of the requests by prompt length, "
                   "its nodes pooled, and the fleet's bound is the rate at which every class "
-                  f"carries its share ({fc.missed:.2%} of the requests no node serves"
-                  + (f"; {fc.lost_share:.2%} of a larger draw, {fc.lost_work_s:.1f} s each "
-                     f"on one {fc.lost_class} node: they miss, and that class's rate counts "
-                     "the time they take it" if fc.lost_work_s else "")
-                  + ").")
+                  f"carries its share ({fc.missed:.2%} of the requests no node serves{lost}).")
     elif fc.bound <= 0.0 and fc.missed > allowed:
         out.print(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
                   f"more than the {allowed:.1%} the attainment target allows: no rate "

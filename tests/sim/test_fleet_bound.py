@@ -65,8 +65,8 @@ def test_requests_no_class_serves_take_the_strongest_class_time(
     charged = fleet_bound(scn)
     assert charged.bands is not None and 0.0 < charged.missed < 0.02
     h100 = charged.bands["H100-SXM"]
-    share, work = fleet_bound_module._lost_work(
-        scn, [_top_class(scn)], fleet_bound_module.ProbeStream.shared(scn))
+    share, work = charged.lost_share, charged.lost_work_s
+    assert charged.lost_class == "H100-SXM"
     assert 0.0 < share < 0.02 and work > 1.0  # seconds of an H100 each
     monkeypatch.setattr(fleet_bound_module, "_lost_work", lambda *a: (0.0, 0.0))
     free = fleet_bound(scn)
@@ -83,16 +83,11 @@ def test_tailguard_capacity_names_what_the_requests_no_class_serves_cost(
     out = tmp_path / "capacity.json"
     assert main(["capacity", str(path), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    lost = doc["missed_work"]
-    assert lost["class"] == "H100-SXM" and 0.0 < lost["share"] < 0.02
-    assert lost["seconds_each"] > 1.0
-    assert doc["capacity_bound_rps"] == pytest.approx(fleet_bound(parse_scenario(spec)).bound)
+    fc = fleet_bound(parse_scenario(spec))
+    assert doc["missed_work"] == {"share": fc.lost_share, "class": "H100-SXM",
+                                  "seconds_each": fc.lost_work_s}
+    assert fc.lost_work_s > 1.0 and doc["capacity_bound_rps"] == pytest.approx(fc.bound)
     assert "s each on one H100-SXM node" in " ".join(capsys.readouterr().out.split())
-
-
-def _top_class(scn: Any) -> Any:
-    plan = next(p for p in scn.nodes() if p.id.startswith("H100"))
-    return fleet_bound_module._Class("H100-SXM", plan, [plan.id], [], [])
 
 
 def test_short_prompts_keep_the_sum_of_the_nodes() -> None:
