@@ -452,6 +452,17 @@ class ClusterSim:
         if self.moving:
             nodes, ids = self.balancer.nodes, self.rec.node_ids
             self.watch.states(lambda ni: nodes[ids[ni]].state, now)
+        # The engines' own counts, as the gateway scrapes them from /metrics (every
+        # 0.5 s by default; here each tick): an engine queueing prompts with its KV
+        # cache full marks its node's samples as the load's (Node.report_engine), and
+        # its limiter counts the node congested. Without them the simulator's detector
+        # took a healthy L4 thrashing under a 1.3x burst, its prompts silent for
+        # seconds while decodes were preempted, for a stalling node and quarantined it.
+        report = self.balancer.on_engine_metrics
+        for ns, node_id in zip(self.nodes, self.rec.node_ids, strict=True):
+            if not ns.crashed:  # a dead engine answers no scrape
+                e = ns.engine
+                report(node_id, now, e.num_running, e.num_waiting, e.kv_usage)
         events = self.balancer.tick(now)
         if events and self.gpu_telemetry:
             events = [self._with_gpu_cause(e) for e in events]
