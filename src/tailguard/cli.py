@@ -224,6 +224,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                   "split: each class is rated on its band of the requests by prompt length, "
                   "its nodes pooled, and the fleet's bound is the rate at which every class "
                   f"carries its share ({fc.missed:.2%} of the requests no node serves{lost}).")
+        if fc.missed > allowed:
+            out.print(f"Those {fc.missed:.1%} are more than the {allowed:.1%} the attainment "
+                      f"target allows: no rate reaches it on this fleet (at most "
+                      f"{1.0 - fc.missed:.1%}), and the bound is the rate at which the rest "
+                      "meet it.")
     elif fc.bound <= 0.0 and fc.missed > allowed:
         out.print(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
                   f"more than the {allowed:.1%} the attainment target allows: no rate "

@@ -101,6 +101,28 @@ def test_prompts_no_node_can_serve_leave_no_capacity() -> None:
     assert fc.bound == 0.0
 
 
+def test_a_fleet_short_of_the_target_on_any_rate_still_has_a_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without its H100s, 3% of these prompts miss a 5 s TTFT even on an idle A100:
+    # attainment 0.99 is out of reach at any rate. The bound is then the rate at
+    # which the rest meet it (it was 0, and `load:` refused the workload).
+    spec = dict(scenario(9.0), fleet=[{"gpu": "A100-80GB", "count": 2},
+                                      {"gpu": "L4", "count": 2}])
+    path, out = tmp_path / "short.yaml", tmp_path / "capacity.json"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["capacity", str(path), "--json", str(out)]) == 0
+    assert "no rate reaches it on this fleet" in " ".join(capsys.readouterr().out.split())
+    doc = json.loads(out.read_text())
+    missed, bound = doc["missed_by_all"], doc["capacity_bound_rps"]
+    assert 0.01 < missed < 0.1 and bound > 0.0
+    res = simulate(parse_scenario(dict(spec, workload=dict(
+        spec["workload"], arrival={"process": "poisson", "load": 0.7}))),
+        [PolicyChoice("tailguard")])
+    assert res["capacity_bound_rps"] == pytest.approx(bound, rel=1e-5)
+    assert any("miss the SLO on every node even alone" in w for w in res["warnings"])
+    assert res["results"]["tailguard"]["slo_attainment"] >= 0.99 * (1.0 - missed) - 0.005
+
+
 def test_an_overload_of_long_prompts_is_spread_not_piled_up() -> None:
     # Past the fleet's bound, bursts of long prompts queue up on every node; by
     # predicted finish alone each request then joined the shortest prefill queue

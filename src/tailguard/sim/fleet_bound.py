@@ -15,8 +15,9 @@ the bound is the rate at which every class carries its share.
 
 1. Each class (nodes of one GPU, TP and engine) is told which of the probe
    stream's requests it can serve alone (``capacity.misses_alone``'s test).
-   Requests no class can serve are the fleet's misses (more than the target
-   allows: the bound is 0).
+   Requests no class can serve are the fleet's misses: they are charged to
+   the strongest class as time lost, and where they are more than the
+   attainment target allows, the bound is what carries the rest at it.
 2. The requests, by prompt length, are cut into bands, one per class, the
    shortest to the class that serves the fewest: a class takes the next
    requests while it can serve them and its work stays within its share.
@@ -247,18 +248,14 @@ def _split(scn: Scenario, classes: list[_Class], stream: ProbeStream) -> FleetCa
     served = [i for i in range(n) if any(c.ok[i] for c in classes)]
     missed = 1.0 - len(served) / n
     order = sorted(served, key=lambda i: (prompts[i], outputs[i]))
-    # Past the attainment target even where the roofline may be a little pessimistic
-    # (the engine's chunked steps): no rate meets it.
-    top = classes[-1]
-    hopeless = sum(1 for p, o in zip(prompts, outputs, strict=True)
-                   if not _feasible(top.plan.perf, top.plan.engine, scn, p, o, MARGIN))
-    if hopeless > (1.0 - scn.slo.attainment) * n:
-        return FleetCapacity(dict.fromkeys((nid for c in classes for nid in c.ids), 0.0),
-                             0.0, None, missed)
     # Each band is rated at the fleet's own target: the requests no class serves
     # (``missed``) are left out of every band. They still take a node's time (a
     # router sends them somewhere, and they miss there): the strongest class's
-    # rate is what its nodes carry of its band beside them (_lost_work).
+    # rate is what its nodes carry of its band beside them (_lost_work). Where
+    # they are more than the target allows (a long-context trace on a fleet
+    # without its strongest GPUs), no rate reaches the target; the bound is then
+    # the rate at which the rest meet it, so ``load:`` still scales the trace to
+    # what the fleet carries, and ``missed`` says how far short it falls.
     slo = scn.slo
     lost_share, lost_work = _lost_work(scn, classes, stream)
     best: FleetCapacity | None = None

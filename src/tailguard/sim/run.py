@@ -213,6 +213,10 @@ def simulate(
         warnings.append(f"{', '.join(zero)}: SLO capacity 0 for this workload (too many of its "
                         "requests miss the SLO there even alone: `tailguard capacity` says "
                         "why), so the `load:` bound understates the fleet")
+    if fc.missed > 1.0 - scn.slo.attainment and scn.workload.arrival.load is not None:
+        warnings.append(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
+                        f"more than attainment {scn.slo.attainment} allows: the `load:` bound "
+                        "is the rate at which the rest meet it")
     results: dict[str, Any] = {}
     for choice in policies or scn.policies:
         res = run_policy(scn, choice, reqs, capacity, offered, opts.drain_s, progress, records)
