@@ -109,6 +109,21 @@ def test_gradient_backs_off_on_slow_ttft_and_on_drops() -> None:
     assert g.estimate == pytest.approx(45 * 0.9)
 
 
+def test_gradient_cuts_once_per_round_of_permits_on_a_lasting_drop_signal() -> None:
+    # An engine that reports a queue with its KV cache full is congested for every
+    # request ending until the next scrape: one cut, not one per request (which
+    # took the limit from 256 to its floor within a second's completions).
+    g = GradientLimit(256, 0.09, 0.5)
+    for _ in range(200):
+        g.on_sample(0.0, 0.05, 0.1, 250, True)
+    assert g.limit == int(256 * 0.9)
+    for _ in range(g.limit - 199):  # the round of permits in flight at the cut ends
+        g.on_sample(0.0, 0.05, 0.1, 230, False)
+    before = g.estimate
+    g.on_sample(0.0, 0.05, 0.1, 230, True)  # a drop after it cuts again
+    assert g.estimate == pytest.approx(before * 0.9)
+
+
 def test_aimd_netflix_rule() -> None:
     a = AimdLimit(10, slow_tpot=0.1, max_limit=12)
     a.on_sample(0.0, 0.05, 0.1, 5, False)
