@@ -14,6 +14,7 @@ node's time to detection.
     python benchmarks/traces.py [--shapes mooncake-conv,azure-code,...]
                                 [--loads 0.6,0.8,1.2] [--policies tailguard,least_request]
                                 [--duration 900] [--seed 1] [--json out.json]
+                                [--fleet H100-SXM:1,A100-80GB:4,L4:4]
 """
 
 from __future__ import annotations
@@ -102,8 +103,17 @@ def main() -> None:
     ap.add_argument("--policies", default="tailguard,least_request")
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fleet", help="every shape on this fleet instead of its own, as "
+                    "GPU:COUNT[:TP],... (e.g. H100-SXM:1,A100-80GB:4,L4:4; the first group's "
+                    "first node is the one throttled)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.fleet:
+        groups = [part.split(":") for part in args.fleet.split(",")]
+        fleet = [{"gpu": g[0], "count": int(g[1]), **({"tp": int(g[2])} if len(g) > 2 else {})}
+                 for g in groups]
+        for shape, (_, slo) in SETUPS.items():
+            SETUPS[shape] = (fleet, slo)
     policies = args.policies.split(",")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
