@@ -123,22 +123,14 @@ class BandStream(ProbeStream):
                 self.gaps.append(rng.expovariate(1.0))
 
 
-# How far past its SLO a lone request's roofline may be and the node still be
-# given it: the engine's chunked steps and the roofline disagree by a little
-# (capacity._capacity's own test uses the same margin).
-MARGIN = 1.2
-
-
-def _feasible(perf: PerfModel, engine: EngineConfig, scn: Scenario, p: int, o: int,
-              margin: float = 1.0) -> bool:
-    """``capacity.misses_alone``'s test (within ``margin``): the node serves the request
-    alone in its SLO."""
+def _feasible(perf: PerfModel, engine: EngineConfig, scn: Scenario, p: int, o: int) -> bool:
+    """``capacity.misses_alone``'s test: the node serves the request alone in its SLO."""
     kv = engine.kv_capacity_tokens or perf.kv_capacity_tokens
     if p + o > kv:
         return False
-    if perf.prefill_time(p) + perf.decode_step(1, p) > margin * scn.slo.ttft_s:
+    if perf.prefill_time(p) + perf.decode_step(1, p) > scn.slo.ttft_s:
         return False
-    return perf.decode_step(1, p + o / 2) <= margin * scn.slo.tpot_s
+    return perf.decode_step(1, p + o / 2) <= scn.slo.tpot_s
 
 
 def _work(perf: PerfModel, engine: EngineConfig, scn: Scenario, p: int, o: int) -> float:
