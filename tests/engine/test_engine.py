@@ -369,6 +369,23 @@ def test_chunked_and_whole_prefill() -> None:
     assert whole[0][0] == pytest.approx(1.0 + PERF.prefill_time(5000), rel=1e-12)
 
 
+def test_long_prefill_threshold_lets_short_prompts_past_a_long_one() -> None:
+    # vLLM's --long-prefill-token-threshold: a 30k-token prompt takes at most 1,024
+    # tokens a step, so a short prompt arriving behind it shares the budget and gets
+    # its first token within a step or two instead of after the whole long prefill.
+    def ttfts(cfg: EngineConfig) -> dict[int, float]:
+        eng = Engine(PERF, cfg)
+        ev = drive(eng, [(0.0, "submit", (1, 30_000, 2)), (0.05, "submit", (2, 200, 2))])
+        return {rid: t for t, kind, rid in ev if kind == FIRST_TOKEN}
+
+    fifo = ttfts(EngineConfig())
+    capped = ttfts(EngineConfig(long_prefill_token_threshold=1024))
+    assert fifo[2] > fifo[1] - 0.1  # the short prompt waited out the long one
+    assert capped[2] < 0.3 < fifo[2]
+    # The long prompt itself takes twice the steps, each with its fixed cost: a little later.
+    assert fifo[1] < capped[1] < 1.1 * fifo[1]
+
+
 def test_throttle_doubles_step_times() -> None:
     fast = single(PERF_TP, 700, 50)
     slow = single(PERF_TP, 700, 50, speed=0.5)

@@ -71,6 +71,10 @@ class EngineConfig:
     block_size: int = 16
     # vLLM V1's automatic prefix caching is on by default (engine/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # vLLM's ``--long-prefill-token-threshold``: with chunked prefill, a prompt
+    # computes at most this many tokens a step, leaving the rest of the budget to
+    # the prompts behind it (0: no cap, the whole budget in admission order).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -115,6 +119,7 @@ class Scheduler:
         self._max_seqs = cfg.max_num_seqs
         self._max_tokens = cfg.max_num_batched_tokens
         self._chunked = cfg.enable_chunked_prefill
+        self._long = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         self._speed = speed
         self._copy_coefficients(perf)
 
@@ -276,6 +281,8 @@ class Scheduler:
             if r.state != PREFILL or budget <= 0:
                 break  # preempted: so is everything admitted after it
             p = r.target - r.cached
+            if 0 < self._long < p:
+                p = self._long
             if p > budget and self._chunked:
                 p = budget
             alloc = blocks_for(r.cached + p, bs)
@@ -319,6 +326,8 @@ class Scheduler:
                 k = pc.lookup(r.blocks, (target - 1) // r.bt)
                 hit = k * r.bt
             p = target - hit
+            if 0 < self._long < p:
+                p = self._long
             if p > budget and (self._chunked or chunks):
                 if not self._chunked:
                     break
