@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tailguard.core.hardware import PerfModel, perf_model
 from tailguard.engine import FAILED, FINISH, FIRST_TOKEN, Engine, EngineConfig, Event
 from tailguard.engine.segment import Segment
+from tailguard.errors import ConfigError
 
 PERF = perf_model("A100-80GB", "llama-3.1-8b")
 PERF_TP = perf_model("H100-SXM", "llama-3.1-70b", tp=4)
@@ -384,6 +385,8 @@ def test_long_prefill_threshold_lets_short_prompts_past_a_long_one() -> None:
     assert capped[2] < 0.3 < fifo[2]
     # The long prompt itself takes twice the steps, each with its fixed cost: a little later.
     assert fifo[1] < capped[1] < 1.1 * fifo[1]
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
 
 
 def test_throttle_doubles_step_times() -> None:

@@ -81,6 +81,8 @@ class EngineConfig:
             raise ConfigError("max_num_seqs", "must be >= 1")
         if self.block_size < 1:
             raise ConfigError("block_size", "must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold", "must be >= 0 (0: no cap)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # vLLM refuses this too: every running sequence needs a decode token.
             raise ConfigError("max_num_batched_tokens", "must be >= max_num_seqs")
