@@ -229,10 +229,6 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                       f"target allows: no rate reaches it on this fleet (at most "
                       f"{1.0 - fc.missed:.1%}), and the bound is the rate at which the rest "
                       "meet it.")
-    elif fc.bound <= 0.0 and fc.missed > allowed:
-        out.print(f"{fc.missed:.1%} of the requests miss the SLO on every node even alone, "
-                  f"more than the {allowed:.1%} the attainment target allows: no rate "
-                  "reaches it on this fleet.")
     else:
         blocked = sorted({plans[nid].perf.gpu.name for nid, m in misses.items()
                           if sum(m.values()) > allowed})
