@@ -552,6 +552,43 @@ def test_a_stall_whose_prompts_were_hedged_away_is_still_a_stall() -> None:
     assert node.stalls == 1
 
 
+def test_a_pause_that_freezes_only_streams_is_a_stall() -> None:
+    """Node.stream_silent: a pause that catches no prompt waiting shows only as the
+    gap its streams resume from; at STALL_S or more (and the caller's limit, the
+    engine's longest healthy step four times) it is a stall, told once however
+    many of the node's streams tell it, and merged with the one its prompts tell.
+    A gap in which the node answered anything, or after which a prompt still
+    waits (one computed whole holds every stream), or while it was short of KV
+    cache, is no stall."""
+    node = make_nodes(["A100"])["A100-80GB#0"]
+    node.decoding = 4
+    node.stream_silent(10.0, 10.8, 0.2)  # under STALL_S: a slow step
+    node.stream_silent(10.0, 11.5, 2.0)  # under the engine's longest step, four times
+    assert node.stalls == 0
+    node.stream_silent(20.0, 22.0, 0.5)
+    assert (node.stall_from, node.stall_to, node.stalls, node.stalled_s) == (20.0, 22.0, 1, 2.0)
+    assert node.spans_stall(19.5, 22.5)  # the decode timed across it is left out
+    node.stream_silent(20.02, 22.01, 0.5)  # the same pause, by another stream
+    node.stream_silent(19.99, 22.1, 0.5)
+    assert (node.stalls, node.stall_to) == (1, 22.1)
+    assert abs(node.stalled_s - 2.1) < 1e-9
+    # A pause that a prompt waited through too: its first token tells the same stall.
+    late = Waiting(due=30.1, t_dispatch=30.05)
+    node.awaits(late)
+    node.prefilling = 1
+    node.stream_silent(30.0, 32.0, 0.5)
+    assert node.stalls == 1  # the prompt still waits: it may be what held the engine
+    late.t_first = 32.05
+    node.prefilling = 0
+    node.progressed(32.05)
+    assert (node.stalls, node.stall_from, node.stall_to) == (2, 30.1, 32.05)
+    node.stream_silent(30.0, 32.1, 0.5)  # the node answered in the gap: told already
+    assert node.stalls == 2
+    node.kv_short_at = 40.5
+    node.stream_silent(40.0, 42.0, 0.5)  # queued for KV room: the load's doing
+    assert node.stalls == 2
+
+
 def test_a_prompt_waiting_for_an_engine_slot_is_due_once_one_frees() -> None:
     """All of a node's engine slots taken: the next prompt waits for a running
     answer to end, which the roofline does not price, so its first token is due

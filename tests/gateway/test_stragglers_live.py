@@ -257,15 +257,14 @@ def test_hedge_with_the_learned_per_request_delay(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_node_that_stalls_now_and_then_stays_healthy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A node paused 2 s in every 5 (the router dodges each pause as it happens):
-    the pauses a prompt waited through are counted as stalls, on that node and
-    on no other; the decode pieces timed across them are left out of the
-    detector's evidence, and the node is never degraded for them (silent under
-    a third of the time, it is no slower than a 1.5x node, not flagged either).
-    A pause with no prompt waiting past its due time is not seen as a stall (at
-    8 closed-loop clients, 1-3 of the 4 were, over four runs; at 16, all 4).
-    Migration is off: with it, a stream paused past its stall trigger moves and
-    is not timed across the pause at all."""
+    """A node paused 2 s in every 8: each pause is counted as a stall, on that node
+    and on no other, whether a prompt waited through it (the router dodges those
+    as they happen) or only streams froze (the gaps they resume from); the
+    decode pieces timed across them are left out of the detector's evidence,
+    and the node is never degraded for them (silent a quarter of the time, it
+    is no slower than a 1.33x node, not flagged). Migration is off: with it, a
+    stream paused past its stall trigger moves and is not timed across the
+    pause at all."""
     monkeypatch.setenv("TG_STRAGGLER_TOKEN", TOKEN)
 
     async def body() -> None:
@@ -277,11 +276,9 @@ def test_a_node_that_stalls_now_and_then_stays_healthy(monkeypatch: pytest.Monke
                 states: set[str] = set()
                 try:
                     await asyncio.sleep(5)  # healthy history first
-                    # eight pauses: a pause with no prompt late through it is not seen
-                    # (at 16 clients, 1 and 2 of 5 were seen in two of seven CI runs,
-                    # 3-5 of 5 in eleven runs alone)
+                    # five pauses (at 0, 8, ..., 32 s)
                     await emulator_fault(emu.urls["a0"], {"kind": "stall", "seconds": 2,
-                                                          "period_s": 5, "duration_s": 36})
+                                                          "period_s": 8, "duration_s": 36})
                     t_end = time.monotonic() + 38
                     while time.monotonic() < t_end:
                         states.add(await node_state(gw, "a0"))
@@ -295,7 +292,7 @@ def test_a_node_that_stalls_now_and_then_stays_healthy(monkeypatch: pytest.Monke
                 print(f"live stalls: {nodes['a0'].stalls} stalls, {nodes['a0'].stalled_s:.1f} s "
                       f"silent, {det.stall_samples} decode samples left out; a0 {states}")
                 assert states == {"healthy"}
-                assert nodes["a0"].stalls >= 3
+                assert nodes["a0"].stalls >= 4
                 assert [nodes[n].stalls for n in NODES[1:]] == [0, 0, 0]
                 assert det.stall_samples > 0
                 async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:

@@ -523,6 +523,14 @@ class Balancer:
             self.recorder({"t": now, "op": "progress", "ticket": ticket.id, "tokens": tokens})
         return due
 
+    def on_stream_silence(self, ticket: Ticket, since: float, now: float) -> None:
+        """The ticket's stream sent nothing from ``since`` to ``now`` (see
+        :meth:`Learner.stream_silent`); only the gaps told (STALL_S or more) are
+        recorded."""
+        if self.recorder is not None:
+            self.recorder({"t": now, "op": "silence", "ticket": ticket.id, "since": since})
+        self.learner.stream_silent(ticket, since, now)
+
     def blame(self, node_id: str, outcome: Outcome, now: float) -> None:
         """A node failure seen outside any ticket (see :meth:`Learner.blame`)."""
         node = self.nodes.get(node_id)

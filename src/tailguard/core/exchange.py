@@ -112,8 +112,8 @@ from tailguard.core.exchange_types import (
 )
 from tailguard.core.fleet import OVERDUE_FACTOR, NodeState, Outcome
 from tailguard.core.hedging import Hedger
-from tailguard.core.migration import LEAVE_NOW, STALL_SLOWDOWN_CAP, MigrationConfig
-from tailguard.core.predict import PREFILL_CHUNK_TOKENS, decode_step_s, saturated_step_s
+from tailguard.core.migration import LEAVE_NOW, MigrationConfig
+from tailguard.core.predict import decode_step_s
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
 
 # A non-streamed attempt's own bound: this many times what its node is expected
@@ -475,21 +475,23 @@ class Exchange:
     def stall_after(self, copy: Copy) -> float:
         """Seconds without a token after which ``copy``'s stream counts as stalled
         (``math.inf`` where streams do not move on stalls): ``stall_factor`` times
-        the longest step its node's engine takes when healthy (a decode step of the
-        batch it joined carrying a prompt chunk: a full one, or twice the pool's
-        mean prompt where that is less; with its class's learned slowdown up to
-        :data:`~tailguard.core.migration.STALL_SLOWDOWN_CAP`), never under
+        the longest step its node's engine takes when healthy
+        (:meth:`~tailguard.core.pool.Ticket.longest_step_s`), never under
         ``stall_floor_s``."""
         cfg = self.migration
         if cfg is None or not cfg.on_stall:
             return math.inf
-        ticket = copy.ticket
-        node, pool = ticket.node, ticket.pool
-        chunk = min(PREFILL_CHUNK_TOKENS, int(2.0 * pool.mean_prompt) + 1)
-        step = saturated_step_s(node.perf, ticket.running(),
-                                pool.mean_prompt + pool.mean_output * 0.5, chunk)
-        slowdown = min(node.class_decode_slowdown, STALL_SLOWDOWN_CAP)
-        return max(cfg.stall_floor_s, cfg.stall_factor * step * slowdown)
+        return max(cfg.stall_floor_s, cfg.stall_factor * copy.ticket.longest_step_s())
+
+    def silent(self, copy: Copy, since: float, now: float) -> None:
+        """``copy``'s committed stream sent nothing from ``since`` to ``now``, a gap of
+        at least :data:`~tailguard.core.fleet.STALL_S` (drivers tell no shorter one):
+        its node may have stalled with no prompt waiting
+        (:meth:`Balancer.on_stream_silence`). A gap that began before the copy's first
+        token (a continuation's handover) is not its node's."""
+        if copy.state == COMMITTED and copy is self.committed \
+                and since >= copy.ticket.t_first >= 0.0:
+            self.balancer.on_stream_silence(copy.ticket, since, now)
 
     def resumed(self, copy: Copy, now: float) -> tuple[Action, ...]:
         """The moved ``copy`` sent data again before its continuation's first token.

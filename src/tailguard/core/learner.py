@@ -313,6 +313,17 @@ class Learner:
         return now + seg_s
 
     @staticmethod
+    def stream_silent(ticket: Ticket, since: float, now: float) -> None:
+        """The ticket's stream sent nothing from ``since`` to ``now``: its node's
+        stall, where no healthy step of its engine explains the gap
+        (:meth:`Node.stream_silent`), so the decode timed across it is left out of
+        the detector's evidence (:meth:`Node.spans_stall`)."""
+        if ticket.released or ticket.t_first < 0.0:
+            return
+        node = ticket.node
+        node.stream_silent(since, now, OVERDUE_FACTOR * OVERDUE_FACTOR * ticket.longest_step_s())
+
+    @staticmethod
     def note_kv(ticket: Ticket, now: float) -> None:
         """Whether the ticket's node is short of KV cache now (``Load.note_kv``)."""
         node = ticket.node

@@ -13,10 +13,16 @@ from tailguard.core.fleet import Node
 from tailguard.core.hedging import HedgeConfig, Hedger
 from tailguard.core.kv_transfer import DEFAULT_LINK, Link, LinkMap, PairLink
 from tailguard.core.limits import LimitConfig, Permit
-from tailguard.core.migration import MigrationConfig
+from tailguard.core.migration import STALL_SLOWDOWN_CAP, MigrationConfig
 from tailguard.core.policies import DEFAULT_POLICY, Policy, RequestInfo, Slo
 from tailguard.core.policies.base import PairPolicy
-from tailguard.core.predict import decode_step_s, prefill_s, running_batch
+from tailguard.core.predict import (
+    PREFILL_CHUNK_TOKENS,
+    decode_step_s,
+    prefill_s,
+    running_batch,
+    saturated_step_s,
+)
 from tailguard.core.prefix import PrefixIndex
 from tailguard.core.retry_budget import RetryBudget, RetryConfig
 
@@ -147,6 +153,18 @@ class Ticket:
         node, pool = self.node, self.pool
         return running_batch(node.perf, node.slots, self.batch_at_dispatch,
                              pool.mean_prompt + pool.mean_output)
+
+    def longest_step_s(self) -> float:
+        """The longest step its node's engine takes when healthy: a decode step of the
+        batch it joined carrying a prompt chunk (a full one, or twice the pool's mean
+        prompt where that is less), with its class's learned slowdown up to
+        :data:`~tailguard.core.migration.STALL_SLOWDOWN_CAP`. Every stream in such a
+        step waits that long, and that is no stall."""
+        node, pool = self.node, self.pool
+        chunk = min(PREFILL_CHUNK_TOKENS, int(2.0 * pool.mean_prompt) + 1)
+        step = saturated_step_s(node.perf, self.running(),
+                                pool.mean_prompt + pool.mean_output * 0.5, chunk)
+        return step * min(node.class_decode_slowdown, STALL_SLOWDOWN_CAP)
 
     def uncached(self, cached_tokens: int) -> int:
         """The prompt tokens the engine had to compute itself."""

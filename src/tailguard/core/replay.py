@@ -70,7 +70,8 @@ class _Replayer:
             "rank": self._rank,
             "take": self._take, "admit": self._admit, "poll_queue": self._poll_queue,
             "cancel_queued": self._cancel_queued, "first_token": self._first_token,
-            "progress": self._progress, "no_first_token": self._no_first_token,
+            "progress": self._progress, "silence": self._silence,
+            "no_first_token": self._no_first_token,
             "finish": self._finish, "blame": self._blame, "hand_off": self._hand_off,
             "engine_metrics": self._engine_metrics, "tick": self._tick, "peers": self._peers,
         }
@@ -209,6 +210,11 @@ class _Replayer:
         t = self.tickets.get(rec["ticket"])
         if t is not None:
             self.b.on_stream_progress(t, rec["tokens"], rec["t"])
+
+    def _silence(self, i: int, rec: Record) -> None:
+        t = self.tickets.get(rec["ticket"])
+        if t is not None:
+            self.b.on_stream_silence(t, rec["since"], rec["t"])
 
     def _no_first_token(self, i: int, rec: Record) -> None:
         t = self.tickets.get(rec["ticket"])

@@ -92,7 +92,7 @@ class PickedRequest(ResponseSide):
         self.status = 0
         self.counter: SseCounter | None = None
         self.tail = b""
-        self.t_first = 0.0
+        self.t_first = self.t_chunk = 0.0
         self.tell_at = 0.0  # when the detector next wants the stream's progress
         self.counted = False
         self.subset: list[str] | None = None  # the data plane's subset hint (endpoints)

@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from tailguard.adapters.api_errors import NODE_HEADER
 from tailguard.adapters.sse import SseCounter, usage_completion_tokens
 from tailguard.core.exchange import Copy, Dispatch, Exchange, Failure
-from tailguard.core.fleet import Outcome
+from tailguard.core.fleet import STALL_S, Outcome
 from tailguard.epp.protocol import (
     CONTINUE_BODY,
     LB_NAMESPACE,
@@ -54,6 +54,7 @@ class ResponseSide:
     counter: SseCounter | None
     tail: bytes
     t_first: float
+    t_chunk: float  # the last chunk of the answer
     tell_at: float  # when the detector next wants the stream's progress
     counted: bool
     response_duplex: bool  # FULL_DUPLEX_STREAMED response body: each chunk is sent back
@@ -146,7 +147,7 @@ class ResponseSide:
         elif status < 400 and ex.request.stream and node is not None:
             self.counter = SseCounter()
             if self.response_body_unseen:  # mode NONE: the headers come with the first byte
-                self.t_first = now
+                self.t_first = self.t_chunk = now
                 ex.first_chunk(copy, now, defer_prefill=True)
         reply = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
@@ -210,6 +211,9 @@ class ResponseSide:
                 if self.t_first == 0.0:
                     self.t_first = now
                     ex.first_chunk(copy, now, defer_prefill=True)
+                elif now - self.t_chunk >= STALL_S:  # its node may have stalled
+                    ex.silent(copy, self.t_chunk, now)
+                self.t_chunk = now
                 counter.feed(chunk)
                 if now >= self.tell_at:  # long answers are judged piece by piece
                     self.tell_at = ex.streaming(copy, counter.output_tokens(), now)

@@ -54,7 +54,7 @@ from tailguard.adapters.sse import SseCounter
 from tailguard.adapters.upstream import UpstreamError, UpstreamResponse
 from tailguard.config.fleet import NodeConfig
 from tailguard.core.exchange import COMMITTED, Action, Copy, Exchange, Fail, Failure, Migrate
-from tailguard.core.fleet import Outcome
+from tailguard.core.fleet import STALL_S, Outcome
 from tailguard.gateway.call import Call, count_answer, response_headers
 from tailguard.gateway.idle import IdleTimeout
 from tailguard.gateway.race import Answer, stop_attempt
@@ -280,7 +280,10 @@ class StreamRelay:
                 chunk = await resp.readany()
                 if not chunk:
                     return
+                before = self.last
                 now = self._arrived()
+                if now - before >= STALL_S:
+                    self._silent(src, before, now)
                 data = self._emit(src, chunk)
                 watchdog.touch()
                 if data:
@@ -294,6 +297,12 @@ class StreamRelay:
                     return  # an engine error event: its stream ends there
                 if now >= tell_at:  # (after the write: a move follows what the client has)
                     tell_at = self._progress(src, now)
+
+    def _silent(self, src: Source, since: float, now: float) -> None:
+        """``src`` sent nothing from ``since`` to ``now``: told to the exchange (its
+        node may have stalled) while the pace is the node's, not the client's."""
+        if getattr(self.protocol, "write_pauses", 0) == self.pauses:
+            self.ex.silent(src.copy, since, now)
 
     def _progress(self, src: Source, now: float) -> float:
         """The stream's progress for the detector (``Exchange.streaming``), while its

@@ -202,14 +202,44 @@ class Silence:
         # A silence while the node was short of KV cache (Load.note_kv) is its
         # prompts queued for room, not a stall.
         if now - since >= STALL_S and now - since >= limit and self.kv_short_at < since:
-            self.stall_from, self.stall_to = since, now
-            self.stalls += 1
-            self.stalled_s += now - since
+            self._stalled(since, now)
         self.debt_due = math.inf
         self.progress_t = now
         self.owed_due = math.inf
         self.overdue_at = -math.inf
         self._trim()  # bounded by what is in flight, whether or not a policy reads it
+
+    def stream_silent(self, since: float, now: float, limit: float) -> None:
+        """A stream decoding here sent nothing from ``since`` (its token before) to
+        ``now`` (the one that ended the gap); ``limit``: the longest gap the node's
+        engine makes when healthy (a long step), times OVERDUE_FACTOR twice, as a
+        prompt's silence is held to twice its allowance.
+
+        A pause that catches no prompt waiting freezes the streams alone: the
+        prompts' silence never sees it, and the decode timed across it reads
+        several times slow (a node paused 2 s in every 5 had half its pauses
+        unseen). The gap is a stall when nothing else on the node answered
+        meanwhile and no prompt is still waiting: a prompt that held the
+        engine (one computed whole, not in chunks) ends the gap with its first
+        token, or is still waiting for it when the streams resume. The node's
+        other streams, silent through the same pause, tell the same stall.
+        """
+        if now - since < STALL_S or now - since < limit or self.progress_t > since \
+                or self.prefilling > 0 or self.kv_short_at >= since:
+            return
+        self._stalled(since, now)
+
+    def _stalled(self, since: float, now: float) -> None:
+        """A silence from ``since`` to ``now`` was a stall: one more, unless it is the
+        last one's, told again (by another of its streams, or by its prompts)."""
+        if since < self.stall_to:
+            if now > self.stall_to:
+                self.stalled_s += now - self.stall_to
+                self.stall_to = now
+            return
+        self.stall_from, self.stall_to = since, now
+        self.stalls += 1
+        self.stalled_s += now - since
 
     def left_unanswered(self, due: float, now: float, allowance: float = 0.0) -> None:
         """A request was cancelled before its first token at ``now`` (``due``: its
