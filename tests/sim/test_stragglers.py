@@ -109,3 +109,28 @@ def test_stalls_are_routed_around_and_hedging_frees_what_they_hold() -> None:
     assert on["hedge_wins"] > 0.8 * on["hedges"]
     assert on["completed"] == off["completed"]  # every request answered exactly once
     assert on == run(scenario(stalls, 150.0, hedging={"enabled": True}))
+
+
+def test_a_pause_that_freezes_only_streams_is_counted_as_a_stall() -> None:
+    """Few, long answers: a pause mostly catches streams decoding and no prompt
+    waiting. Each is still a stall (the gap the streams resume from: 4 of 13 were
+    seen from the prompts alone), its pieces of decode are left out, and a node
+    silent a fifth of the time is not degraded for it. Migration off: with it the
+    streams move and nothing is timed across the pause."""
+    raw = {"name": "t", "seed": 3, "model": "llama-3.1-8b",
+           "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
+           "fleet": [{"gpu": "A100-80GB", "count": 2}],
+           "workload": {"duration_s": 120, "warmup_s": 10,
+                        "arrival": {"process": "poisson", "rate": 0.6},
+                        "input_tokens": {"dist": "fixed", "value": 200},
+                        "output_tokens": {"dist": "fixed", "value": 2000}},
+           "migration": {"enabled": False},
+           "faults": [{"node": "A100-80GB#1", "kind": "stall", "at_s": 20, "period_s": 10,
+                       "seconds": 2.0}]}
+    res = run(raw)
+    seen = res["outliers"]["stalls"]
+    assert set(seen) == {"A100-80GB#1"}
+    # Pauses at 20, 30, ... s until the last answer ends (about 150 s).
+    assert seen["A100-80GB#1"]["stalls"] >= 12
+    assert seen["A100-80GB#1"]["silent_s"] >= 1.8 * seen["A100-80GB#1"]["stalls"]
+    assert res["events"] == []

@@ -51,7 +51,7 @@ from tailguard.core.exchange import (
     Request,
     pump,
 )
-from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.fleet import STALL_S, NodeSpec, Outcome
 from tailguard.core.hedging import HedgeConfig
 from tailguard.core.kv_transfer import DEFAULT_LINK, Link, PairLink
 from tailguard.core.limits import LimitConfig
@@ -78,6 +78,7 @@ TIMER = 8  # a: request id (an exchange's timer)
 HEALTH = 9  # a round of health probes
 HANDOFF = 10  # a: copy id: its prompt's KV has reached its decode node
 MOVES = 11  # mid-stream migration's look at a node (a) or a moved copy (a); b: sim/moves.py
+QUIET = 12  # a: node index whose long step has ended, b: its note (sim/streams.py)
 
 # Request status codes in the result arrays.
 OK, FAILED_STATUS, UNFINISHED, SHED = 0, 1, 2, 3
@@ -295,6 +296,8 @@ class ClusterSim:
                 # (a run no longer than the resolution has no long step in it)
                 if watch_on[a] and ns.scheduled - now > GAP_RESOLUTION_S:
                     self.watch.look(ns, now)
+                if ns.scheduled - now >= STALL_S and self.streaming:
+                    self._long_step(ns, now)
             elif kind == ARRIVE:
                 if a + 1 < n_req:
                     push(heap, (rec.arrival[a + 1], next(seq), ARRIVE, a + 1, 0))
@@ -327,6 +330,8 @@ class ClusterSim:
                 self._hand_off(a, now)
             elif kind == MOVES:
                 self._watched(a, b, now)
+            elif kind == QUIET:
+                self.streaming.quiet_ended(nodes[a], b, now, self.copy_node, self.half_rtt)
             elif kind == HEALTH:
                 health_check(nodes, self.balancer, now)
                 if self.outstanding > 0:
@@ -498,7 +503,9 @@ class ClusterSim:
         det = b.outliers
         if det is not None:
             rec.outliers = {"detected": det.detected_ejections, "enforced": det.enforced_ejections,
-                            "time_in_states": det.time_in_states(now)}
+                            "time_in_states": det.time_in_states(now),
+                            "stalls": {n.id: (n.stalls, n.stalled_s) for n in b.nodes.values()
+                                       if n.stalls}}
         return rec
 
     def _reschedule(self, ns: SimNode) -> None:
@@ -600,8 +607,17 @@ class ClusterSim:
             self.watch.crashing(ns, now)
         apply_fault(f, ending, ns, now, self._crashed, self._deliver)
         self._reschedule(ns)
+        if self.streaming:
+            self._long_step(ns, now)
         if self.moving and self.watch.on[ns.index]:
             self.watch.look(ns, now)
+
+    def _long_step(self, ns: SimNode, now: float) -> None:
+        """Where the step under way on ``ns`` is long enough to stall its streams, a
+        look at its end (as the gateway would see it) for the gap they resume from."""
+        noted = self.streaming.long_step(ns, now)
+        if noted is not None:
+            self.push(noted[0] + self.half_rtt + ns.delay, QUIET, ns.index, noted[1])
 
     def _crashed(self, cid: int, t: float) -> None:
         copy = self.copies[cid]

@@ -110,7 +110,8 @@ def run_policy(
     if rec.outliers:
         res["outliers"] = outlier_report(rec.events, scn.faults, rec.end_time,
                                          rec.outliers["time_in_states"],
-                                         rec.outliers["detected"], rec.outliers["enforced"])
+                                         rec.outliers["detected"], rec.outliers["enforced"],
+                                         rec.outliers["stalls"])
     res.update(pd_report(rec, wl.warmup_s, gpu_of))
     res["hedges"] = rec.hedges
     if rec.moves:  # streams moved mid-answer (a run without any keeps its old result)

@@ -33,8 +33,10 @@ def _names(e: Event, f: Any) -> bool:
 
 def outlier_report(events: Sequence[Event], faults: Sequence[Any], end_s: float,
                    time_in_states: Mapping[str, Mapping[str, float]],
-                   detected: int, enforced: int) -> dict[str, Any]:
-    """Time to detect each fault, false detections, time per state, ejection counts."""
+                   detected: int, enforced: int,
+                   stalls: Mapping[str, tuple[int, float]] | None = None) -> dict[str, Any]:
+    """Time to detect each fault, false detections, time per state, ejection counts,
+    and the stalls each node was seen to make (count, seconds silent), where any."""
     bad = [e for e in events if (e.kind == "state" and e.state in _BAD_STATES)
            or (e.kind == "link" and e.state == "slow")]
     detect: list[dict[str, Any]] = []
@@ -50,7 +52,7 @@ def outlier_report(events: Sequence[Event], faults: Sequence[Any], end_s: float,
                                            else end_s) + FAULT_GRACE_S for f in faults)]
     unhealthy = {node: {k: round(v, 3) for k, v in sorted(st.items()) if k != "healthy"}
                  for node, st in sorted(time_in_states.items())}
-    return {
+    out = {
         "time_to_detect": detect,
         "false_detections": len(false),
         "false_quarantines": sum(1 for e in false if e.state == "quarantined"),
@@ -58,6 +60,10 @@ def outlier_report(events: Sequence[Event], faults: Sequence[Any], end_s: float,
         "enforced_ejections": enforced,
         "time_in_state_s": {k: v for k, v in unhealthy.items() if v},
     }
+    if stalls:
+        out["stalls"] = {node: {"stalls": n, "silent_s": round(s, 3)}
+                         for node, (n, s) in sorted(stalls.items())}
+    return out
 
 
 def straggler_table(doc: Mapping[str, Any]) -> Table | None:
