@@ -13,7 +13,7 @@ answers, ignore_eos) from ``tailguard bench``'s load generator, sent to:
 It prints each run's SLO attainment, TTFT and TPOT p99, errors, and the
 engines' KV transfer counts. Nothing is asserted.
 
-    python benchmarks/pd_live.py [--rate 3] [--duration 60] [--speed 1]
+    python benchmarks/pd_live.py [--rate 3] [--duration 60] [--speed 1] [--targets ...]
     python benchmarks/pd_live.py --overhead 500    # the gateway's TTFT cost over both legs
     python benchmarks/pd_live.py --bound --rate 5  # a clairvoyant router's TTFT (no engines)
 """
@@ -46,6 +46,7 @@ FLEET = [("p-h100", "H100-SXM", "prefill"), ("p-l40s-0", "L40S", "prefill"),
 INPUT = {"dist": "lognormal", "mu": 8.5, "sigma": 0.6, "min": 256, "max": 24000}
 OUTPUT = {"dist": "fixed", "value": 64}
 SLO = Slo(3.0, 0.1)
+TARGETS = ("tailguard", "vllm-router:round_robin", "vllm-router:cache_aware")
 
 
 def free_port() -> int:
@@ -198,7 +199,13 @@ def main() -> None:
                     help="instead: the gateway's own TTFT cost over the two legs, N requests")
     ap.add_argument("--bound", action="store_true",
                     help="instead: the TTFT a clairvoyant earliest-finish router would give")
+    ap.add_argument("--targets", default=",".join(TARGETS),
+                    help=f"which routers to run, in order (default {','.join(TARGETS)})")
     args = ap.parse_args()
+    targets = [t for t in args.targets.split(",") if t]
+    for t in targets:
+        if t not in TARGETS:
+            ap.error(f"--targets: unknown {t!r} (one of {', '.join(TARGETS)})")
     if args.bound:
         print(bound(args.rate))
         return
@@ -208,7 +215,7 @@ def main() -> None:
     print(f"P/D fleet: {', '.join(f'{n} ({r})' for n, _, r in FLEET)}; "
           f"{args.rate} req/s for {args.duration:g} s; SLO TTFT {SLO.ttft_s} s, "
           f"TPOT {SLO.tpot_s} s (in engine time)")
-    for target in ("tailguard", "vllm-router:round_robin", "vllm-router:cache_aware"):
+    for target in targets:
         print(asyncio.run(one(target, args.rate, args.duration / args.speed, args.speed)),
               flush=True)
 

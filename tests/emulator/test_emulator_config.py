@@ -27,12 +27,15 @@ def test_local_nodes_get_their_url_port_or_base_ports_and_remote_nodes_are_skipp
          "faults": [{"kind": "throttle", "factor": 0.5, "at_s": 10}],
          "emulator": {"speed": 0.8, "max_num_batched_tokens": 512}},
         {"id": "t", "url": "http://127.0.0.1", "gpu": "T4", "models": ["m"]},
+        emulator={"long_prefill_token_threshold": 256},
     )
     assert [(n.id, n.port) for n in nodes] == [("h", 8101), ("l", 9100), ("t", 9101)]
     l4 = nodes[1]
     assert l4.dialect == "sglang"
     assert l4.speed == 0.8
     assert (l4.engine.max_num_seqs, l4.engine.max_num_batched_tokens) == (64, 512)
+    # vLLM's long-prefill cap, from the fleet's defaults
+    assert {n.engine.long_prefill_token_threshold for n in nodes} == {256}
     assert l4.faults[0].kind == "throttle" and l4.faults[0].at_s == 10
     assert l4.perf().model.name == "llama-3.1-8b"  # an unknown served name falls back
     assert l4.perf().gpu.name == "L4"
@@ -52,6 +55,8 @@ def test_pool_catalog_model_picks_the_roofline_model() -> None:
     ({"faults": [{"kind": "melt"}]}, "nodes[0].faults[0].kind"),
     ({"emulator": {"sped": 2}}, "nodes[0].emulator.sped"),
     ({"emulator": {"speed": -1}}, "nodes[0].emulator.speed"),
+    ({"emulator": {"long_prefill_token_threshold": -1}},
+     "nodes[0].emulator.long_prefill_token_threshold"),
 ])
 def test_bad_nodes_name_the_field(node: dict[str, object], field: str) -> None:
     base = {"id": "a", "url": "http://127.0.0.1:1", "gpu": "A100", "models": ["m"]}

@@ -187,7 +187,8 @@ HealthBlock = block_for(HealthSettings, bounds=dict.fromkeys(("interval_s", "tim
 ClientBlock = block_for(ClientSettings, bounds=dict.fromkeys(
     ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_timeout_s"), _POSITIVE))
 EmulatorBlock = block_for(EmulatorOptions, bounds={
-    "speed": _POSITIVE, "catalog_model": {"min_length": 1}})
+    "speed": _POSITIVE, "catalog_model": {"min_length": 1},
+    "long_prefill_token_threshold": {"ge": 0}})
 
 Name = Annotated[str, Field(min_length=1)]
 

@@ -115,6 +115,8 @@ class EmulatorOptions:
     kv_capacity_tokens: int | None = None  # instead of the KV cache the roofline derives
     block_size: int | None = None  # KV block size (default 16)
     enable_prefix_caching: bool | None = None  # as vLLM's flag (default true)
+    # As vLLM's flag: the most prompt tokens one request computes in a step (0: no cap).
+    long_prefill_token_threshold: int | None = None
 
     def over(self, defaults: EmulatorOptions) -> EmulatorOptions:
         """These options, each one not given taken from ``defaults``."""

@@ -22,6 +22,10 @@ a GPU the catalog knows), ``tp``, ``models`` (the served names),
 ``enable_chunked_prefill``  as vLLM's flag (default true)
 ``kv_capacity_tokens``      override the KV cache size the roofline derives
 ``block_size``              KV block size (default 16)
+``enable_prefix_caching``   as vLLM's flag (default true)
+``long_prefill_token_threshold``  as vLLM's flag: the most prompt tokens one
+                            request computes in a step, so short prompts pass a
+                            long one (default 0: no cap)
 =========================== ====================================================
 
 The fleet's top-level ``emulator:`` mapping gives defaults for those keys.
@@ -106,6 +110,7 @@ def emulated_node(n: NodeConfig, where: str, fleet: FleetConfig | None = None,
             kv_capacity_tokens=opts.kv_capacity_tokens,
             block_size=opts.block_size or base.block_size,
             enable_prefix_caching=opts.enable_prefix_caching is not False,
+            long_prefill_token_threshold=opts.long_prefill_token_threshold or 0,
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}.emulator.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
