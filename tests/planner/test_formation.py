@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tailguard.planner.formation import (
     RATIO_TOLERANCE,
     Rated,
     Rater,
+    Replica,
     Shape,
     plan_formation,
     single,
@@ -27,6 +29,7 @@ from tailguard.planner.inventory import exclude, parse_inventory
 from tailguard.planner.inventory_cli import engine_flags
 from tailguard.planner.naive import one_per_gpu, tp_across_types
 from tailguard.planner.verify import base_scenario
+from tailguard.sim.capacity import replica_capacity
 
 CAT = DEFAULT_CATALOG
 
@@ -317,6 +320,35 @@ def test_cli_verify_beats_naive_where_weak_gpus_miss_the_tpot(
     assert main([*base, "--objective", "goodput"]) == 0
     table = capsys.readouterr().out
     assert "2xL4" in table and "per M output tokens" in table and "CUDA_VISIBLE_DEVICES=0,1" in table
+
+
+def test_a_long_prompt_workload_gets_vllms_long_prefill_cap_where_it_measures_more() -> None:
+    """Prompts past a step's budget hold every prompt behind them for the steps they
+    take; vLLM's --long-prefill-token-threshold lets those behind share each step.
+    The rater measures the cap (a half, then a quarter of the prompt budget) and
+    keeps it only where the capacity it measures is higher."""
+    m = CAT.model("llama-3.1-8b")
+    long = base_scenario(m.name, Slo(3.0, 0.1, 0.99), CAT,
+                         {"dist": "lognormal", "mu": 8.5, "sigma": 1.0, "max": 120_000},
+                         {"dist": "lognormal", "mu": 5.5, "sigma": 0.8, "max": 4000})
+    rated = Rater(long, m, 7000.0, 340.0).rate(single(CAT.gpu("H100-SXM"), 1))
+    assert rated is not None
+    plan = rated.plan
+    assert plan.long_prefill_token_threshold in (plan.prompt_budget // 2, plan.prompt_budget // 4)
+    uncapped = replica_capacity(long, rated.perf, replace(plan, long_prefill_token_threshold=0)
+                                .engine, copies=8, span_s=120.0)
+    assert rated.capacity_rps > 1.02 * uncapped
+    r = Replica(rated, ("h1",), ((0,),))
+    assert f"--long-prefill-token-threshold {plan.long_prefill_token_threshold}" in \
+        engine_flags(r, m.name)
+    # Prompts within a step's budget (an L4's is about 500 tokens at this TPOT): nothing
+    # to cap, nothing measured.
+    short = Rater(base_scenario(m.name, Slo(3.0, 0.1, 0.99), CAT,
+                                {"dist": "fixed", "value": 400}, {"dist": "fixed", "value": 100}),
+                  m, 400.0, 100.0).rate(single(CAT.gpu("L4"), 1))
+    assert short is not None and short.plan.long_prefill_token_threshold == 0
+    assert "--long-prefill-token-threshold" not in engine_flags(
+        Replica(short, ("h1",), ((0,),)), m.name)
 
 
 def test_cli_errors(tmp_path: Path) -> None:

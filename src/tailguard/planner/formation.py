@@ -63,14 +63,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tailguard.core.hardware import GPU, Model, PerfModel
 from tailguard.core.pipeline import Layout, PipelinePerf, StageSpec
 from tailguard.errors import ConfigError
 from tailguard.planner.inventory import Host, Inventory
 from tailguard.planner.plan import EnginePlan, engine_plan
-from tailguard.sim.capacity import replica_capacity
+from tailguard.sim.capacity import ProbeStream, replica_capacity
 from tailguard.sim.scenario import Scenario
 
 OBJECTIVES = ("per-dollar", "goodput")
@@ -86,6 +86,15 @@ PP_ROUGH_SHARE = 0.7
 MIXED_RATED = 4
 # Shapes are rated in pools of this many GPUs (at least one replica).
 POOL_GPUS = 8
+# vLLM's long-prefill cap (Rater._capped) is rated where more than this share of
+# the prompts take more than one step's budget and hold the engine for more than
+# LONG_PROMPT_HOLD of the TTFT SLO (a shorter hold rarely decides a miss), kept
+# where it adds more than CAP_GAIN to the capacity (bisected to 1%), and never
+# set under MIN_CAP_TOKENS (a prompt computed a few dozen tokens a step crawls).
+LONG_PROMPT_SHARE = 0.01
+LONG_PROMPT_HOLD = 0.25
+CAP_GAIN = 0.02
+MIN_CAP_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,11 +256,38 @@ class Rater:
             if perf is not None:
                 plan = self.plan(perf)
                 copies = self.copies(shape)
-                rated = Rated(shape, perf, plan,
-                              replica_capacity(self.scn, perf, plan.engine, copies=copies,
-                                               span_s=self.scn.workload.duration_s))
+                span = self.scn.workload.duration_s
+                best = replica_capacity(self.scn, perf, plan.engine, copies=copies, span_s=span)
+                rated = Rated(shape, perf, plan, best)
+                if best > 0.0 and self._long_prompts(perf, plan):  # (0: prompts beyond it)
+                    rated = self._capped(rated, copies, span)
             self._memo[shape] = rated
         return self._memo[shape]
+
+    def _long_prompts(self, perf: PerfModel, plan: EnginePlan) -> bool:
+        """Whether more than LONG_PROMPT_SHARE of the workload's prompts take more than
+        one step's prompt budget and hold the engine for more than LONG_PROMPT_HOLD of
+        the TTFT SLO (every prompt behind one waits that long): where a cap can matter."""
+        prompts = ProbeStream.shared(self.scn).prompts
+        budget = plan.prompt_budget
+        hold = LONG_PROMPT_HOLD * self.scn.slo.ttft_s
+        long = sum(1 for p in prompts if p > budget and perf.prefill_time(p) > hold)
+        return long > LONG_PROMPT_SHARE * len(prompts)
+
+    def _capped(self, rated: Rated, copies: int, span: float) -> Rated:
+        """``rated`` with vLLM's long-prefill cap at a half, then a quarter, of its
+        prompt budget, where the capacity it measures is higher by more than
+        CAP_GAIN (with no cap, a prompt takes the whole budget of every step until
+        it is computed, and every prompt behind it waits; with one, the prompts
+        behind share the rest of each step)."""
+        for share in (2, 4):
+            cap = max(rated.plan.prompt_budget // share, MIN_CAP_TOKENS)
+            plan = replace(rated.plan, long_prefill_token_threshold=cap)
+            got = replica_capacity(self.scn, rated.perf, plan.engine, copies=copies, span_s=span)
+            if got <= rated.capacity_rps * (1.0 + CAP_GAIN):
+                break
+            rated = Rated(rated.shape, rated.perf, plan, got)
+        return rated
 
 
 def single(gpu: GPU, tp: int) -> Shape:

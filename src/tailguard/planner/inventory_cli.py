@@ -212,8 +212,10 @@ def engine_flags(r: Replica, model: str) -> str:
         layers = getattr(r.rated.perf, "layers", ())
         flags += f" --pipeline-parallel-size {len(st)}"
         env += f"VLLM_PP_LAYER_PARTITION={','.join(str(n) for n in layers)} "
+    cap = (f" --long-prefill-token-threshold {plan.long_prefill_token_threshold}"
+           if plan.long_prefill_token_threshold else "")
     return (f"{env}{flags} --max-num-seqs {plan.max_num_seqs} --max-num-batched-tokens "
-            f"{plan.max_num_batched_tokens} --enable-chunked-prefill")
+            f"{plan.max_num_batched_tokens} --enable-chunked-prefill{cap}")
 
 
 def fleet_file(plan: Formation, inv: Inventory, model: str, slo: Slo) -> dict[str, Any]:

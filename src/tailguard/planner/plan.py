@@ -67,12 +67,22 @@ class EnginePlan:
     initial_limit: int
     tpot_at_batch_s: float
     tokens_per_s: float
+    # vLLM's --long-prefill-token-threshold (0: none): the most prompt tokens one
+    # request computes in a step. The roofline cannot tell when it pays; the
+    # inventory planner measures it (formation.Rater).
+    long_prefill_token_threshold: int = 0
 
     @property
     def engine(self) -> EngineConfig:
         """The engine settings it stands for (chunked prefill on)."""
         return EngineConfig(max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens)
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            long_prefill_token_threshold=self.long_prefill_token_threshold)
+
+    @property
+    def prompt_budget(self) -> int:
+        """The step's tokens left to prompts when every sequence decodes."""
+        return self.max_num_batched_tokens - self.max_num_seqs
 
 
 def engine_plan(perf: PerfModel, slo_tpot: float, input_tokens: float, output_tokens: float,
