@@ -217,8 +217,7 @@ class Silence:
 
         A pause that catches no prompt waiting freezes the streams alone: the
         prompts' silence never sees it, and the decode timed across it reads
-        several times slow (a node paused 2 s in every 5 had half its pauses
-        unseen). The gap is a stall when nothing else on the node answered
+        several times slow. The gap is a stall when nothing else on the node answered
         meanwhile and no prompt is still waiting: a prompt that held the
         engine (one computed whole, not in chunks) ends the gap with its first
         token, or is still waiting for it when the streams resume. The node's
