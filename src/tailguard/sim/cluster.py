@@ -296,7 +296,7 @@ class ClusterSim:
                 # (a run no longer than the resolution has no long step in it)
                 if watch_on[a] and ns.scheduled - now > GAP_RESOLUTION_S:
                     self.watch.look(ns, now)
-                if ns.scheduled - now >= STALL_S and self.streaming:
+                if STALL_S <= ns.scheduled - now < math.inf and self.streaming:
                     self._long_step(ns, now)
             elif kind == ARRIVE:
                 if a + 1 < n_req:
