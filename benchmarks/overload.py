@@ -10,11 +10,13 @@ TTFT / TPOT p99, and with ``--goodput`` each router's goodput at attainment
 
     python benchmarks/overload.py [--cases 0,1,2] [--loads 0.8,0.9,1.0,1.1]
                                   [--duration 1200] [--seed 11] [--goodput]
+                                  [--engine '{"long_prefill_token_threshold": 1024}']
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
@@ -48,8 +50,11 @@ CHOICES = [PolicyChoice("tailguard"),
            PolicyChoice("least_request")]
 
 
-def scenario(case: int, rate: float | None, duration: float, seed: int) -> dict[str, Any]:
+def scenario(case: int, rate: float | None, duration: float, seed: int,
+             engine: dict[str, Any] | None = None) -> dict[str, Any]:
     groups, mu, sigma, ttft, tpot, arrival = CASES[case]
+    if engine:
+        groups = [{**g, "engine": engine} for g in groups]
     return {
         "name": f"overload-{case}", "seed": seed, "model": "llama-3.1-8b",
         "slo": {"ttft_s": ttft, "tpot_s": tpot}, "fleet": groups,
@@ -71,16 +76,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--goodput", action="store_true",
                     help="also each router's goodput at attainment 0.99 (slow)")
+    ap.add_argument("--engine", type=json.loads, default=None, metavar="JSON",
+                    help='every node\'s engine settings, e.g. \'{"long_prefill_token_threshold": '
+                         '1024}\' (default: vLLM\'s)')
     args = ap.parse_args()
+    loads = [float(x) for x in args.loads.split(",") if x]
     for case in (int(c) for c in args.cases.split(",")):
-        base = parse_scenario(scenario(case, None, args.duration, args.seed))
+        base = parse_scenario(scenario(case, None, args.duration, args.seed, args.engine))
         bound = fleet_bound(base).bound
         groups = ", ".join(f"{g['count']} {g['gpu']}" for g in CASES[case][0])
         print(f"case {case}: {groups}; bound {bound:.2f} req/s", flush=True)
-        for load in (float(x) for x in args.loads.split(",")):
+        for load in loads:
             t0 = time.time()
-            doc = simulate(parse_scenario(scenario(case, load * bound, args.duration, args.seed)),
-                           CHOICES)
+            doc = simulate(parse_scenario(scenario(case, load * bound, args.duration, args.seed,
+                                                   args.engine)), CHOICES)
             cells = [f"{c.label} {r['slo_attainment']:.3f} ({r['ttft_s']['p99']:.1f} / "
                      f"{r['tpot_s']['p99']:.3f} s)"
                      for c in CHOICES for r in [doc["results"][c.label]]]
