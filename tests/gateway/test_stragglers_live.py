@@ -301,3 +301,41 @@ def test_a_node_that_stalls_now_and_then_stays_healthy(monkeypatch: pytest.Monke
                        f'{float(nodes["a0"].stalls)}' in text
 
     asyncio.run(body())
+
+
+def test_a_stalled_stream_that_wins_its_race_tells_the_stall(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream moved for a stall races its continuation; where the stalled node
+    comes back first (the other node is slow to prefill the continuation), the
+    stream goes on from it, and the gap it resumed from is its node's stall, as a
+    stream that never moved tells it."""
+    monkeypatch.setenv("TG_STRAGGLER_TOKEN", TOKEN)
+
+    async def body() -> None:
+        nodes = [EmulatedNode(n, "A100-80GB") for n in ("a0", "a1")]
+        async with run_emulator(nodes, speed=4) as emu, \
+                run_gateway(parse_fleet(fleet_doc(emu.urls))) as gw:
+            # a1 prefills at a fiftieth of its speed: the stream goes to a0, and
+            # its continuation on a1 takes seconds to its first token
+            await emulator_fault(emu.urls["a1"], {"kind": "throttle", "factor": 0.02})
+            req = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 2000}],
+                   "max_tokens": 400, "stream": True}
+            async with aiohttp.ClientSession() as s, \
+                    s.post(gw.url + "/v1/chat/completions", json=req) as r:
+                assert r.headers["x-tailguard-node"] == "a0"
+                await r.content.readany()
+                await asyncio.sleep(0.2)
+                await emulator_fault(emu.urls["a0"], {"kind": "stall", "seconds": 2})
+                text = (await r.read()).decode()
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+            reg = gw.metrics.registry
+            resumed = reg.get_sample_value("tailguard_migrations_total",
+                                           {"pool": MODEL, "cause": "stall",
+                                            "result": "resumed"})
+            a0 = gw.fleet.balancer.nodes["a0"]
+            print(f"resumed {resumed}; a0 {a0.stalls} stalls, {a0.stalled_s:.2f} s")
+            assert resumed == 1.0
+            assert a0.stalls == 1 and a0.stalled_s >= 1.8
+            assert gw.fleet.balancer.nodes["a1"].stalls == 0
+
+    asyncio.run(body())

@@ -369,7 +369,9 @@ class StreamRelay:
                                 else:  # the stalled copy came back first: it wins
                                     stop_attempt(sending)
                                     sending = None
-                                    self._arrived()
+                                    before = self.last
+                                    if self._arrived() - before >= STALL_S:
+                                        self._silent(old, before, self.last)
                                     await self._deliver(old, out, self._emit(old, chunk))
                                     return old
                             else:  # it ended (or failed) with the continuation on its way
