@@ -114,8 +114,8 @@ def test_stalls_are_routed_around_and_hedging_frees_what_they_hold() -> None:
 def test_a_pause_that_freezes_only_streams_is_counted_as_a_stall() -> None:
     """Few, long answers: a pause mostly catches streams decoding and no prompt
     waiting. Each is still a stall (the gap the streams resume from: 4 of 13 were
-    seen from the prompts alone), its pieces of decode are left out, and a node
-    silent a fifth of the time is not degraded for it. Migration off: with it the
+    seen from the prompts alone), and a node silent a fifth of the time is not
+    degraded for it. Migration off: with it the
     streams move and nothing is timed across the pause."""
     raw = {"name": "t", "seed": 3, "model": "llama-3.1-8b",
            "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
