@@ -74,11 +74,11 @@ class StreamReports:
         if noted is None or noted[2] != note:
             return
         del self._quiet[ns.index]
-        since = noted[0] + one_way_s + ns.delay
-        for _, _, cid, ex, copy in sorted(self._due, key=_commit_order):
-            if copy_node[cid] == ns.index and ex.ended is None and copy.state == COMMITTED:
-                ex.silent(copy, since, now)
-                return
+        first = min((e for e in self._due if copy_node[e[2]] == ns.index
+                     and e[3].ended is None and e[4].state == COMMITTED),
+                    key=_commit_order, default=None)
+        if first is not None:
+            first[3].silent(first[4], noted[0] + one_way_s + ns.delay, now)
 
     def report(self, now: float, nodes: Sequence[SimNode], copy_node: Sequence[int],
                one_way_s: float) -> None:
