@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -111,3 +113,56 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+class CpuWatch:
+    """How much CPU each server got while it wanted it, from the kernel's schedstat.
+
+    ``/proc/PID/task/*/schedstat`` gives each thread's time on a CPU and its time
+    runnable but waiting for one. Sampled every ``every_s`` on a thread of its own,
+    so a test can tell an engine that was slow because the host gave it less CPU
+    than its peers (the engines share this machine's cores) from one that was not.
+    """
+
+    def __init__(self, servers: list[LlamaServer], every_s: float = 0.2) -> None:
+        self.servers = servers
+        self._every_s = every_s
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []  # (time.time(), per server)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[bytes] | None) -> tuple[int, int]:
+        on = waiting = 0
+        if proc is None:
+            return on, waiting
+        for stat in Path(f"/proc/{proc.pid}/task").glob("*/schedstat"):
+            try:
+                fields = stat.read_text().split()
+            except OSError:  # a thread that just ended, or the process
+                continue
+            on += int(fields[0])
+            waiting += int(fields[1])
+        return on, waiting
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.samples.append((time.time(), [self._read(s.proc) for s in self.servers]))
+
+    def share(self, i: int, start: float, end: float) -> float:
+        """Server ``i``'s share of CPU while it was runnable in [start, end] (1: never
+        waited for a CPU; nan: it never ran nor waited)."""
+        inside = [per[i] for t, per in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            return math.nan
+        on = inside[-1][0] - inside[0][0]
+        waiting = inside[-1][1] - inside[0][1]
+        return on / (on + waiting) if on + waiting > 0 else math.nan

@@ -11,12 +11,13 @@ from their prompt cache (one repeated system prompt and question) with
 prompts they must compute (fresh text each time). Then:
 
 1. every engine detected as llama.cpp, no client error, no state change on
-   the healthy engines, and the cached prompts taught no fast prefill (each
+   the healthy engines (but where the host starved one of CPU: below), and the cached prompts taught no fast prefill (each
    node's learnt prefill speed within 4x of its peers');
 2. one engine is throttled to about a third of its speed (``throttle``
    below: SIGSTOP for 2/3 of every 0.6 s): it is degraded or quarantined
    within 20 s, its share of requests falls at least 3x, and once it runs
-   freely again it is healthy again; the other two stay healthy throughout;
+   freely again it is healthy again; the other two stay healthy throughout
+   (idem);
 3. one engine is killed with ``kill -9`` mid-stream: that stream moves to
    another engine (no client sees an error) and the next requests fail over.
 
@@ -32,6 +33,13 @@ were under way when the throttle began (a CI run: 4 served in 20 s, evidence
 3.3 of 6). With a fifth client kept on (throughout, or from the throttle to the
 end), the engines busy at once on two cores read 1.6-2x apart: a healthy node
 was degraded in a CI run and in one of two runs here.
+
+The kernel's schedstat (``CpuWatch``) says how much CPU each engine got while it
+was runnable. With four clients the three get about the same (0.57-0.68 of their
+runnable time, per 5 s); an engine with little traffic (one just degraded or on
+probation) gets far less (0.3 against its busy peers' 0.9) and is as much slower.
+A healthy engine flagged while it had under 1/1.3 of a peer's share was slow, and
+is not counted as a false detection; any other flag of a healthy engine fails.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from collections import Counter
 import openai
 import pytest
 from gateway_fakes import wait_for
-from llama_servers import MODEL_NAME, LlamaServer, find_engine, fleet_doc
+from llama_servers import MODEL_NAME, CpuWatch, LlamaServer, find_engine, fleet_doc
 
 from tailguard.config.fleet import parse_fleet
 from tailguard.core.fleet import NodeState
@@ -162,19 +170,63 @@ def events(gw: RunningGateway) -> list[str]:
     return [f"{e['node']} {e['state']}: {e.get('reason')}" for e in gw.fleet.event_log.since(0)]
 
 
+# A node whose share of CPU while runnable was this much under a peer's in the
+# seconds before it was flagged was slower than its peers: the host starved it.
+STARVED = 1.3
+STARVED_WINDOW_S = 10.0
+
+
+def false_detections(gw: RunningGateway, cpu: CpuWatch, throttled: str = "") -> list[str]:
+    """The degradations and quarantines of nodes that were neither throttled nor
+    starved of CPU by the host (each with every engine's CPU share before it).
+
+    The three engines share two cores with the gateway and the client, and the
+    kernel does not share them evenly when one engine is busier than the others
+    (an engine with little traffic waits for a CPU at each wake-up: 0.3 of its
+    runnable time on a CPU against 0.9 for its busy peers was measured here): such
+    an engine *is* slower than its peers, and flagging it is no false detection.
+    """
+    false = []
+    names = [f"cpu-{i}" for i in range(len(cpu.servers))]
+    for e in gw.fleet.event_log.since(0):
+        if e["node"] == throttled or e["state"] not in ("degraded", "quarantined"):
+            continue
+        shares = [cpu.share(i, e["time"] - STARVED_WINDOW_S, e["time"])
+                  for i in range(len(names))]
+        own = shares[names.index(e["node"])]
+        best = max((s for n, s in zip(names, shares, strict=True)
+                    if n not in (e["node"], throttled) and not math.isnan(s)), default=math.nan)
+        if not own * STARVED <= best:  # nan compares false: unexplained
+            false.append(f"{e['node']} {e['state']}: {e.get('reason')} (CPU shares while "
+                         f"runnable {', '.join(f'{s:.2f}' for s in shares)})")
+    return false
+
+
+def cpu_shares(cpu: CpuWatch, span_s: float = 5.0) -> str:
+    """Each engine's share of CPU while runnable, per ``span_s`` since the start."""
+    t0, end = cpu.samples[0][0], cpu.samples[-1][0]
+    rows, a = [], t0
+    while a < end:
+        rows.append(f"{a - t0:.0f}s " + "/".join(
+            f"{cpu.share(i, a, a + span_s):.2f}" for i in range(len(cpu.servers))))
+        a += span_s
+    return "CPU shares while runnable: " + ", ".join(rows)
+
+
 def test_three_llama_servers_behind_the_gateway() -> None:
     binary, model = find_engine()
     servers = [LlamaServer(binary, model) for _ in range(3)]
     try:
         for s in servers:
             s.start()
-        asyncio.run(_body(servers))
+        with CpuWatch(servers) as cpu:
+            asyncio.run(_body(servers, cpu))
     finally:
         for s in servers:
             s.stop()
 
 
-async def _body(servers: list[LlamaServer]) -> None:
+async def _body(servers: list[LlamaServer], cpu: CpuWatch) -> None:
     doc = fleet_doc(servers, idle_s=10.0)
     # Re-admission is what step 2 checks, not the default backoffs (30 s ejection,
     # 30 s slow start), which took most of this test's time.
@@ -188,7 +240,7 @@ async def _body(servers: list[LlamaServer]) -> None:
         # 1. mixed load
         t_healthy = time.monotonic()
         await asyncio.sleep(20.0)
-        assert events(gw) == [], events(gw)  # no false detection
+        assert false_detections(gw, cpu) == [], events(gw)
         before = load.shares(t_healthy + 5.0)
         total_before = sum(before.values())
         assert total_before >= 30 and len(before) == 3, before
@@ -214,7 +266,7 @@ async def _body(servers: list[LlamaServer]) -> None:
                                timeout=20.0, what="cpu-1 degraded or quarantined")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: {evidence(gw, 'cpu-1')} served "
-                                     f"{load.shares(t_throttle)}") from None
+                                     f"{load.shares(t_throttle)}; {cpu_shares(cpu)}") from None
             caught = time.monotonic()
             extra.set()  # four clients again: the healthy engines can hold them
             await asyncio.sleep(15.0)
@@ -228,9 +280,13 @@ async def _body(servers: list[LlamaServer]) -> None:
               f"{share_during:.2f}; events {events(gw)}")
         assert share_during <= share_before / 3.0, (before, during)
         # free again: re-admitted (probation passed or recovered), the others untouched
-        await wait_for(lambda: states(gw)["cpu-1"] is NodeState.HEALTHY, timeout=90.0,
-                       what="cpu-1 healthy again")
-        assert [e for e in events(gw) if not e.startswith("cpu-1 ")] == [], events(gw)
+        try:
+            await wait_for(lambda: states(gw)["cpu-1"] is NodeState.HEALTHY, timeout=90.0,
+                           what="cpu-1 healthy again")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {evidence(gw, 'cpu-1')} {events(gw)}; "
+                                 f"{cpu_shares(cpu)}") from None
+        assert false_detections(gw, cpu, throttled="cpu-1") == [], events(gw)
         assert not load.errors, load.errors[:5]
         # 3. kill -9 mid-stream: wait until a stream runs on cpu-2, then kill it
         await wait_for(lambda: load.streaming["cpu-2"] > 0, timeout=20.0,
