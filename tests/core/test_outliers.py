@@ -584,7 +584,7 @@ def test_a_pause_that_freezes_only_streams_is_a_stall() -> None:
     assert (node.stalls, node.stall_from, node.stall_to) == (2, 30.1, 32.05)
     node.stream_silent(30.0, 32.1, 0.5)  # the node answered in the gap: told already
     assert node.stalls == 2
-    node.kv_short_at = 40.5
+    node.kv_short(40.5)
     node.stream_silent(40.0, 42.0, 0.5)  # queued for KV room: the load's doing
     assert node.stalls == 2
 
@@ -700,3 +700,38 @@ def test_a_node_short_of_kv_cache_is_loaded_not_slow() -> None:
     rig.now += 10.0
     rig.det.on_decode(busy, 0.02 * 3.0, 0.02, 40, rig.now, rig.now - 1.0)
     assert rig.det.kv_short_samples == 80
+
+
+def test_an_engine_that_counts_its_preemptions_says_when_it_is_short_of_kv() -> None:
+    """Where the engine reports its preemptions (vLLM), a node is short of KV cache
+    when it has preempted since its last report, or queues requests with its cache
+    full, not by the gateway's count of what its requests would need at once:
+    prompts queued behind a prompt backlog hold no KV, and a node computing a
+    burst of them with its cache a fifth used is judged as ever."""
+    from tailguard.core.fleet import EngineReport
+
+    rig = Rig(["A100"] * 4)
+    rig.run(10, {})
+    node = rig.nodes["A100-80GB#1"]
+    for _ in range(4):
+        node.dispatched(node.perf.kv_capacity_tokens // 4, node.perf.kv_capacity_tokens // 4)
+    kv = node.perf.kv_capacity_tokens
+    assert node.note_kv(rig.now, 200.0, kv, 1.0)  # no report: the gateway's count
+    node.kv_short_at = node.kv_short_until = -math.inf
+    node.report_engine(EngineReport(running=8, waiting=90, kv_usage=0.2, at=rig.now,
+                                    preemptions=5))
+    assert not node.note_kv(rig.now, 200.0, kv, 1.0)
+    assert not node.kv_short_since(rig.now - 1.0)
+    rig.now += 1.0
+    node.report_engine(EngineReport(running=8, waiting=90, kv_usage=0.2, at=rig.now,
+                                    preemptions=5))
+    assert not node.kv_short_since(rig.now - 1.0)
+    rig.now += 1.0
+    node.report_engine(EngineReport(running=8, waiting=90, kv_usage=0.85, at=rig.now,
+                                    preemptions=6))  # one preempted since the last report
+    assert node.kv_short_since(rig.now)
+    rig.det.on_decode(node, 0.06, 0.02, 8, rig.now + 1.0, rig.now - 0.5)
+    assert rig.det.kv_short_samples == 1
+    # A report withdrawn as stale: the gateway's count again.
+    node.report_engine(EngineReport(at=rig.now + 2.0))
+    assert node.note_kv(rig.now + 2.0, 200.0, kv, 1.0)

@@ -106,6 +106,8 @@ VLLM = """\
 vllm:num_requests_running{engine="0",model_name="llama"} 7.0
 vllm:num_requests_waiting{engine="0",model_name="llama"} 2.0
 vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.42
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="llama"} 3.0
 vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="llama"} 3.0
 """
 VLLM_OLD = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.5\n"
@@ -122,7 +124,7 @@ TGI = "tgi_batch_current_size 8\ntgi_queue_size 5 1712345678000\n"
 
 
 @pytest.mark.parametrize(("text", "engine", "sample"), [
-    (VLLM, "vllm", EngineSample(7, 2, 0.42)),
+    (VLLM, "vllm", EngineSample(7, 2, 0.42, 3)),
     (VLLM_OLD, "vllm", EngineSample(1, 0, 0.5)),
     (SGLANG, "sglang", EngineSample(5, 1, 0.3)),
     (TRTLLM, "trtllm", EngineSample(4, 3, 0.9)),
@@ -149,6 +151,7 @@ def test_real_vllm_metrics_page_and_answer() -> None:
     sample = parse_engine_metrics(text, "vllm")
     assert sample is not None and (sample.running, sample.waiting) == (1, 0)
     assert sample.kv_usage == pytest.approx(0.011019, abs=1e-6)
+    assert sample.preemptions == 0
     body = (FIXTURES / "vllm_chat.json").read_bytes()
     assert (usage_completion_tokens(body), usage_cached_tokens(body)) == (24, 384)
 
@@ -160,7 +163,7 @@ def test_engine_metrics_absent() -> None:
 
 def test_two_models_on_one_engine_are_summed() -> None:
     text = VLLM + VLLM.replace("llama", "qwen").replace("0.42", "0.1")
-    assert parse_engine_metrics(text, "vllm") == EngineSample(14, 4, 0.42)
+    assert parse_engine_metrics(text, "vllm") == EngineSample(14, 4, 0.42, 6)
 
 
 def test_retry_budget_bounds_retries() -> None:

@@ -15,6 +15,10 @@ tgi        tgi_batch_current_size           tgi_queue_size                  (not
 llamacpp   llamacpp:requests_processing     llamacpp:requests_deferred      (not exported)
 =========  ===============================  ==============================  ==============================================
 
+vLLM also counts the requests it has preempted (``vllm:num_preemptions_total``):
+a node whose count rose since the last scrape was short of KV cache, and its
+engine's word on that replaces the gateway's own estimate (``Node.note_kv``).
+
 llama.cpp's ``llama-server`` serves this page only with ``--metrics`` (else
 501). Its ``prompt_tokens_seconds`` and ``predicted_tokens_seconds`` gauges
 are averages since the *previous* scrape, so every scraper resets them for
@@ -43,11 +47,13 @@ MAX_REQUESTS = 1_000_000  # what one engine can plausibly run or queue
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """One scrape: requests running and waiting in the engine, KV use (-1: unknown)."""
+    """One scrape: requests running and waiting in the engine, KV use and requests
+    preempted since the engine started (-1: unknown)."""
 
     running: int
     waiting: int
     kv_usage: float
+    preemptions: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +65,14 @@ class EngineAdapter:
     running: tuple[str, ...]
     waiting: tuple[str, ...]
     kv_usage: tuple[str, ...] = ()
+    preemptions: tuple[str, ...] = ()  # a counter: only vLLM exports one
 
 
 ADAPTERS: dict[str, EngineAdapter] = {
     "vllm": EngineAdapter(
         "vllm", ("vllm:",), ("vllm:num_requests_running",), ("vllm:num_requests_waiting",),
-        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        ("vllm:num_preemptions_total",)),
     "sglang": EngineAdapter(
         "sglang", ("sglang:",), ("sglang:num_running_reqs",), ("sglang:num_queue_reqs",),
         ("sglang:token_usage",)),
@@ -103,12 +111,13 @@ def parse_engine_metrics(text: str, engine: str) -> EngineSample | None:
     """The sample on ``text`` for ``engine``; None when the page has none of its metrics."""
     adapter = ADAPTERS[engine]
     wanted: dict[str, list[tuple[str | None, int]]] = {}
-    for kind, names in enumerate((adapter.running, adapter.waiting, adapter.kv_usage)):
+    for kind, names in enumerate((adapter.running, adapter.waiting, adapter.kv_usage,
+                                  adapter.preemptions)):
         for n in names:
             family, label = _split(n)
             wanted.setdefault(family, []).append((label, kind))
-    sums = [0.0, 0.0, -1.0]
-    seen = [False, False, False]
+    sums = [0.0, 0.0, -1.0, 0.0]
+    seen = [False, False, False, False]
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -146,4 +155,5 @@ def parse_engine_metrics(text: str, engine: str) -> EngineSample | None:
         kv /= 100.0
     # A page is the engine's word, not the gateway's: bounded as the replicas' reports are.
     return EngineSample(int(min(sums[0], MAX_REQUESTS)), int(min(sums[1], MAX_REQUESTS)),
-                        min(kv, 1.0) if seen[2] else -1.0)
+                        min(kv, 1.0) if seen[2] else -1.0,
+                        int(min(sums[3], 2**62)) if seen[3] else -1)

@@ -324,7 +324,7 @@ class LiveFleet:
             self.balancer.on_engine_metrics(node_id, now, -1, -1, -1.0)
         else:
             self.balancer.on_engine_metrics(node_id, now, sample.running, sample.waiting,
-                                            sample.kv_usage)
+                                            sample.kv_usage, sample.preemptions)
 
     def _on_health(self, node_id: str, ok: bool) -> bool | None:
         return self.balancer.on_probe(node_id, ok, time.monotonic())

@@ -603,15 +603,17 @@ class Balancer:
         return self.admission.cancel(waiter)
 
     def on_engine_metrics(
-        self, node_id: str, now: float, running: int, waiting: int, kv_usage: float
+        self, node_id: str, now: float, running: int, waiting: int, kv_usage: float,
+        preemptions: int = -1,
     ) -> None:
         if self.recorder is not None:
             self.recorder({"t": now, "op": "engine_metrics", "node": node_id, "running": running,
-                           "waiting": waiting, "kv_usage": kv_usage})
+                           "waiting": waiting, "kv_usage": kv_usage,
+                           "preemptions": preemptions})
         node = self.nodes.get(node_id)
         if node is None:
             return
-        node.report_engine(EngineReport(running, waiting, kv_usage, now))
+        node.report_engine(EngineReport(running, waiting, kv_usage, now, preemptions))
 
     def on_peers(self, now: float, reports: Mapping[str, Mapping[str, Any]],
                  leader: bool) -> list[Event]:

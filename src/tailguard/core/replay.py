@@ -238,7 +238,7 @@ class _Replayer:
 
     def _engine_metrics(self, i: int, rec: Record) -> None:
         self.b.on_engine_metrics(rec["node"], rec["t"], rec["running"], rec["waiting"],
-                                 rec["kv_usage"])
+                                 rec["kv_usage"], rec.get("preemptions", -1))
 
     # -- periodic decisions: compared when the recording's "events" record comes ----
 

@@ -467,7 +467,8 @@ class ClusterSim:
         for ns, node_id in zip(self.nodes, self.rec.node_ids, strict=True):
             if not ns.crashed:  # a dead engine answers no scrape
                 e = ns.engine
-                report(node_id, now, e.num_running, e.num_waiting, e.kv_usage)
+                report(node_id, now, e.num_running, e.num_waiting, e.kv_usage,
+                       e.num_preemptions)
         events = self.balancer.tick(now)
         if events and self.gpu_telemetry:
             events = [self._with_gpu_cause(e) for e in events]

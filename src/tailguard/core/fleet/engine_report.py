@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class EngineReport:
-    """The engine's own count of running and waiting requests and its KV cache use,
-    as of ``at`` (-1 each: not reported, or withdrawn as stale). Swapped whole."""
+    """The engine's own count of running and waiting requests, its KV cache use and
+    how many requests it has preempted since it started, as of ``at`` (-1 each:
+    not reported, or withdrawn as stale). Swapped whole."""
 
     running: int = -1
     waiting: int = -1
     kv_usage: float = -1.0
     at: float = -1.0
+    preemptions: int = -1  # vLLM's count; the other engines export none
 
 
 NOT_REPORTED = EngineReport()

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, ClassVar
 # of it (vLLM preempts at 100%; the gateway's count of the answers is a mean).
 KV_SHORT = 0.9
 # Once it has room again, the engine recomputes the requests it preempted: prefill
-# work the gateway never dispatched. A 100k-token context takes an H100 about 4 s.
+# work the gateway never dispatched. A 100k-token context takes an H100 about 4 s,
+# an L40S three times that: where the engine reports a preemption, the node is
+# given the time its roofline takes to compute the context it holds
+# (Node.report_engine), this at least.
 KV_RECOVERY_S = 5.0
 
 
@@ -27,8 +30,8 @@ class Load:
         __slots__ = ()
     FIELDS: ClassVar[tuple[str, ...]] = (
         "area_t", "awaiting_kv", "context_tokens", "ctx_area", "dec_area", "decoding",
-        "dispatched_total", "in_flight", "kv_short_at", "prefill_backlog", "prefill_tokens_total",
-        "prefilling")
+        "dispatched_total", "in_flight", "kv_short_at", "kv_short_until", "prefill_backlog",
+        "prefill_tokens_total", "prefilling")
 
     in_flight: int  # dispatched and not yet released
     prefilling: int  # ... of which still waiting for their first token
@@ -49,11 +52,13 @@ class Load:
     ctx_area: float
     dec_area: float
     area_t: float
-    # When the node was last seen short of KV cache (:meth:`note_kv`).
+    # When the node was last seen short of KV cache (:meth:`note_kv`), and until
+    # when what it times is the shortage's (its recompute after).
     kv_short_at: float
+    kv_short_until: float
 
     def _init_load(self) -> None:
-        self.kv_short_at = -math.inf
+        self.kv_short_at = self.kv_short_until = -math.inf
         self.in_flight = self.prefilling = self.prefill_backlog = self.decoding = 0
         self.awaiting_kv = 0
         self.dispatched_total = self.prefill_tokens_total = 0
@@ -84,23 +89,25 @@ class Load:
         demand = (self.context_tokens + self.prefill_backlog + self.in_flight * answer_tokens) \
             * scale
         if demand >= KV_SHORT * kv_tokens:
-            if now > self.kv_short_at:
-                self.kv_short_at = now
+            self.kv_short(now)
             return True
         return False
 
-    def kv_short(self, at: float) -> None:
+    def kv_short(self, at: float, recover_s: float = KV_RECOVERY_S) -> None:
         """The node was loaded past what it serves at ``at``: its engine reported
-        requests waiting with its KV cache full, or the router spilled an
-        overload here (every node of the pool predicted to miss the SLO;
-        ``policies/tailguard.py``, "Overload"). What it times then is the load's."""
+        requests waiting with its KV cache full, or a preemption, or the router
+        spilled an overload here (every node of the pool predicted to miss the
+        SLO; ``policies/tailguard.py``, "Overload"). What it times then, and for
+        ``recover_s`` after (the recompute of what it preempted), is the load's."""
         if at > self.kv_short_at:
             self.kv_short_at = at
+        if at + recover_s > self.kv_short_until:
+            self.kv_short_until = at + recover_s
 
     def kv_short_since(self, since: float) -> bool:
         """Whether the node was seen short of KV cache at ``since`` or later, or so
         shortly before that it was still recomputing what it had preempted."""
-        return self.kv_short_at + KV_RECOVERY_S >= since
+        return self.kv_short_until >= since
 
     def dispatched(self, backlog: int, prompt_tokens: int) -> None:
         """A request was sent here with ``backlog`` prompt tokens to compute."""

@@ -20,7 +20,7 @@ from typing import Protocol
 from tailguard.core.estimate import CapacityEstimate, PeakEwma
 from tailguard.core.fleet.engine_report import NOT_REPORTED, EngineReport
 from tailguard.core.fleet.lifecycle import Lifecycle
-from tailguard.core.fleet.load import KV_SHORT, Load
+from tailguard.core.fleet.load import KV_RECOVERY_S, KV_SHORT, Load
 from tailguard.core.fleet.peers import PeerView
 from tailguard.core.fleet.silence import Silence
 from tailguard.core.fleet.spec import NodeSpec
@@ -112,10 +112,37 @@ class Node(Lifecycle, Load, PromptWork, Silence, PeerView, Speed):
         self.limiter = limiter
 
     def report_engine(self, report: EngineReport) -> None:
-        """The engine's latest report (or NOT_REPORTED-like values when stale)."""
-        self.engine = report
-        if report.waiting > 0 and report.kv_usage >= KV_SHORT:
+        """The engine's latest report (or NOT_REPORTED-like values when stale): it
+        marks the node short of KV cache when it queues requests with its cache
+        full, or has preempted one since its last report. A preempted request is
+        computed again, prompt and answer so far, before it decodes on: what the
+        node times until then is the preemption's, and a long context's
+        recompute outlasts ``KV_RECOVERY_S`` (a healthy L40S holding a few
+        Mooncake contexts read 9-11x slow for 15 s after one), so the node is
+        given the time its roofline takes to compute the context it holds."""
+        last, self.engine = self.engine, report
+        if report.preemptions > last.preemptions >= 0:
+            self.kv_short(report.at, max(KV_RECOVERY_S,
+                                         self.perf.prefill_time(self.context_tokens)))
+        elif report.waiting > 0 and report.kv_usage >= KV_SHORT:
             self.kv_short(report.at)
+
+    def note_kv(self, now: float, answer_tokens: float, kv_tokens: int, scale: float) -> bool:
+        """The gateway's own count of the KV its requests need (:meth:`Load.note_kv`),
+        used only where the engine does not say when it preempts.
+
+        The count takes every request sent to the node as holding its prompt and
+        answer at once, which requests still queued behind a prompt backlog do
+        not: an engine computes prompts at a few thousand tokens a step and admits
+        a waiting one only when its cache has room. On the bursty Azure code shape
+        a healthy H100 with 100 prompts queued was counted short for 20 s while its
+        engine used 17% of its cache and preempted nothing, and a throttle there
+        went unseen for as long. An engine that reports its preemptions (vLLM,
+        and the simulator's) marks itself, when it does (:meth:`report_engine`).
+        """
+        if self.engine.preemptions >= 0:
+            return False
+        return Load.note_kv(self, now, answer_tokens, kv_tokens, scale)
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.spec.gpu_class}, in_flight={self.in_flight}, {self.state.value})"
