@@ -45,6 +45,7 @@ class Behavior:
     health_status: int = 200
     running: int = 0
     waiting: int = 0
+    preemptions: int = 0  # vLLM's count since the engine started
 
 
 @dataclass
@@ -101,6 +102,8 @@ class FakeEngine:
             f'vllm:num_requests_running{{model_name="m"}} {b.running}.0\n'
             f'vllm:num_requests_waiting{{model_name="m"}} {b.waiting}.0\n'
             'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            "# TYPE vllm:num_preemptions_total counter\n"
+            f'vllm:num_preemptions_total{{model_name="m"}} {b.preemptions}.0\n'
         )
         return web.Response(status=b.metrics_status, text=text)
 

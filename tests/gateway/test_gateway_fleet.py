@@ -65,6 +65,7 @@ def test_admin_api(monkeypatch: pytest.MonkeyPatch) -> None:
                     status, data = await admin(gw, "GET", "/admin/nodes", token)
                     assert status == 401 and data["error"]["code"] == "invalid_admin_token"
                 await chat(gw, stream=True)
+                await wait_for(lambda: gw.fleet.monitors["a"].sample is not None, what="a scraped")
                 status, data = await admin(gw, "GET", "/admin/nodes")
                 assert status == 200
                 nodes = {n["id"]: n for n in data["nodes"]}
@@ -73,6 +74,7 @@ def test_admin_api(monkeypatch: pytest.MonkeyPatch) -> None:
                 assert a_info["gpu_class"] == "L4" and a_info["state"] == "healthy"
                 assert a_info["in_flight"] == 0 and a_info["capacity"]["tokens_per_s"] > 0
                 assert a_info["health"]["up"] is True
+                assert a_info["engine_metrics"]["preemptions"] == 0
 
                 entry = {"id": "c", "url": "http://10.9.9.9:8000", "gpu": "A100",
                          "models": ["m"]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -379,6 +380,12 @@ def test_engine_metrics_are_scraped_and_go_stale() -> None:
             await wait_for(lambda: node.engine.running == 3, what="scrape")
             assert node.engine.waiting == 1 and node.engine.kv_usage == 0.25
             assert gw.fleet.monitors["a"].engine == "vllm"  # detected
+            # A preemption since the last scrape: the node is short of KV cache
+            # (what it times now is the load's).
+            assert node.engine.preemptions == 0 and not node.kv_short_since(time.monotonic())
+            a.behavior.preemptions = 2
+            await wait_for(lambda: node.engine.preemptions == 2, what="preemptions scraped")
+            assert node.kv_short_since(time.monotonic() - 1.0)
             a.behavior.metrics_status = 500
             await wait_for(lambda: gw.fleet.monitors["a"].stale, what="stale")
             assert node.engine.running == -1  # withdrawn from the balancer

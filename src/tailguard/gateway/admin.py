@@ -181,6 +181,8 @@ class AdminApi:
                 "waiting": mon.sample.waiting if mon.sample else None,
                 "kv_usage": mon.sample.kv_usage if mon.sample and mon.sample.kv_usage >= 0
                 else None,
+                "preemptions": mon.sample.preemptions if mon.sample
+                and mon.sample.preemptions >= 0 else None,
                 "age_s": round(age, 3) if age is not None else None,
                 "stale": mon.stale,
                 "missing": mon.metrics_missing,
