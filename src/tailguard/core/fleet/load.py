@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, ClassVar
 # of it (vLLM preempts at 100%; the gateway's count of the answers is a mean).
 KV_SHORT = 0.9
 # Once it has room again, the engine recomputes the requests it preempted: prefill
-# work the gateway never dispatched. A 100k-token context takes an H100 about 4 s,
-# an L40S three times that: where the engine reports a preemption, the node is
-# given the time its roofline takes to compute the context it holds
-# (Node.report_engine), this at least.
+# work the gateway never dispatched. A 100k-token context takes an H100 about 4 s
+# (an L40S longer: where the engine reports a preemption, the node is given the
+# time its roofline takes to compute the context it holds, Node.report_engine).
 KV_RECOVERY_S = 5.0
 
 

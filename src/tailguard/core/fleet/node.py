@@ -117,9 +117,9 @@ class Node(Lifecycle, Load, PromptWork, Silence, PeerView, Speed):
         full, or has preempted one since its last report. A preempted request is
         computed again, prompt and answer so far, before it decodes on: what the
         node times until then is the preemption's, and a long context's
-        recompute outlasts ``KV_RECOVERY_S`` (a healthy L40S holding a few
-        Mooncake contexts read 9-11x slow for 15 s after one), so the node is
-        given the time its roofline takes to compute the context it holds."""
+        recompute on a mid-range GPU outlasts ``KV_RECOVERY_S`` (benchmarks/
+        README.md, "When a node is short of KV cache"), so the node is given
+        the time its roofline takes to compute all the context it holds."""
         last, self.engine = self.engine, report
         if report.preemptions > last.preemptions >= 0:
             self.kv_short(report.at, max(KV_RECOVERY_S,
@@ -133,12 +133,12 @@ class Node(Lifecycle, Load, PromptWork, Silence, PeerView, Speed):
 
         The count takes every request sent to the node as holding its prompt and
         answer at once, which requests still queued behind a prompt backlog do
-        not: an engine computes prompts at a few thousand tokens a step and admits
-        a waiting one only when its cache has room. On the bursty Azure code shape
-        a healthy H100 with 100 prompts queued was counted short for 20 s while its
-        engine used 17% of its cache and preempted nothing, and a throttle there
-        went unseen for as long. An engine that reports its preemptions (vLLM,
-        and the simulator's) marks itself, when it does (:meth:`report_engine`).
+        not: an engine computes prompts a few thousand tokens a step and admits
+        a waiting one only when its cache has room. In a burst of prompts the
+        count said "short" while the engine's cache was mostly free, and the
+        node went unjudged for the whole burst. An engine that reports its
+        preemptions (vLLM, and the simulator's) marks itself, when it does
+        (:meth:`report_engine`).
         """
         if self.engine.preemptions >= 0:
             return False
