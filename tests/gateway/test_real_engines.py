@@ -162,7 +162,8 @@ def evidence(gw: RunningGateway, node: str) -> str:
     assert det is not None
     h = det.health[node]
     return " ".join(f"{name}: S {ev.cusum:.1f} over {ev.run}, {math.exp(ev.ew):.2f}x, "
-                    f"sigma {math.sqrt(ev.var):.2f}, {ev.seen} samples;"
+                    f"sigma {math.sqrt(ev.var):.2f}, {ev.seen} samples, against "
+                    f"{'peers' if ev.peers else 'own history'};"
                     for name, ev in (("prefill", h.prefill), ("decode", h.decode)))
 
 
@@ -198,7 +199,8 @@ def false_detections(gw: RunningGateway, cpu: CpuWatch, throttled: str = "") -> 
                     if n not in (e["node"], throttled) and not math.isnan(s)), default=math.nan)
         if not own * STARVED <= best:  # nan compares false: unexplained
             false.append(f"{e['node']} {e['state']}: {e.get('reason')} (CPU shares while "
-                         f"runnable {', '.join(f'{s:.2f}' for s in shares)})")
+                         f"runnable {', '.join(f'{s:.2f}' for s in shares)}; now: "
+                         f"{evidence(gw, e['node'])} states {states(gw)})")
     return false
 
 
