@@ -82,6 +82,28 @@ def test_overload_is_not_a_fault() -> None:
     assert res["events"] == []
 
 
+def replay(tmp_path: Path, shape: str, span_s: float, seed: int, fleet: list[tuple[str, int]],
+           arrival: dict[str, float], faults: list[dict[str, Any]] | None = None,
+           ) -> tuple[dict[str, Any], RunRecord]:
+    """A trace of ``shape`` (``span_s`` of it at its own rate) replayed for 600 s on
+    ``fleet`` (GPU, count; +-10% spread), SLO 2 s / 0.1 s: tailguard's result and record."""
+    spec = SHAPES[shape]
+    trace = tmp_path / f"{shape}.csv"
+    write_shape(trace, spec.generate(span_s, seed=seed), spec.fmt)
+    raw = {
+        "name": shape, "seed": seed, "model": "llama-3.1-8b",
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
+        "fleet": [{"gpu": gpu, "count": n, "speed_spread": 0.1} for gpu, n in fleet],
+        "workload": {"duration_s": 600.0, "warmup_s": 60,
+                     "arrival": {"process": "trace", "path": str(trace), **arrival}},
+        "faults": faults or [],
+    }
+    records: dict[str, RunRecord] = {}
+    res = simulate(parse_scenario(raw), [PolicyChoice("tailguard")],
+                   records=records)["results"]["tailguard"]
+    return res, records["tailguard"]
+
+
 def test_a_short_prompt_burst_past_capacity_is_the_loads_doing(tmp_path: Path) -> None:
     """BurstGPT's shape at 1.3x the bound of a fleet with one H100: the L4s' KV caches
     fill, their engines queue prompts and preempt decodes, and their prompts go
@@ -90,25 +112,12 @@ def test_a_short_prompt_burst_past_capacity_is_the_loads_doing(tmp_path: Path) -
     node is quarantined, and at most a passing degradation (9 degradations here,
     and on another draw of the trace two L4s quarantined for "stalls", before the
     simulator reported its engines' metrics)."""
-    spec = SHAPES["burstgpt"]
-    trace = tmp_path / "burst.csv"
     # Long enough at its own rate (2 req/s) to span the run at 1.3x the bound (84 req/s).
-    write_shape(trace, spec.generate(45_000.0, seed=2), spec.fmt)
-    raw = {
-        "name": "burst", "seed": 2, "model": "llama-3.1-8b",
-        "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
-        "fleet": [{"gpu": "H100-SXM", "count": 1, "speed_spread": 0.1},
-                  {"gpu": "A100-80GB", "count": 2, "speed_spread": 0.1},
-                  {"gpu": "L4", "count": 4, "speed_spread": 0.1}],
-        "workload": {"duration_s": 600.0, "warmup_s": 60,
-                     "arrival": {"process": "trace", "path": str(trace), "load": 1.3}},
-    }
-    records: dict[str, RunRecord] = {}
-    res = simulate(parse_scenario(raw), [PolicyChoice("tailguard")],
-                   records=records)["results"]["tailguard"]
-    assert max(records["tailguard"].arrival) > 590.0  # the trace spans the run
+    res, rec = replay(tmp_path, "burstgpt", 45_000.0, 2,
+                      [("H100-SXM", 1), ("A100-80GB", 2), ("L4", 4)], {"load": 1.3})
+    assert max(rec.arrival) > 590.0  # the trace spans the run
     assert res["slo_attainment"] < 0.95  # past what it carries
-    assert not [e for e in records["tailguard"].events if e.state == "quarantined"]
+    assert not [e for e in rec.events if e.state == "quarantined"]
     assert res["outliers"]["false_detections"] <= 2
 
 
@@ -119,21 +128,10 @@ def test_a_throttle_during_a_prompt_burst_is_caught(tmp_path: Path) -> None:
     of cache for the whole burst and what it timed was left out: a throttle at the
     burst's start went unseen for 26 s. The engine's own word (no preemption, its
     cache not full) keeps the node judged, and the throttle is caught in 3 s."""
-    spec = SHAPES["azure-code"]
-    trace = tmp_path / "code.csv"
-    write_shape(trace, spec.generate(18_000.0, seed=4), spec.fmt)
-    raw = {
-        "name": "code-burst", "seed": 4, "model": "llama-3.1-8b",
-        "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
-        "fleet": [{"gpu": "H100-SXM", "count": 2, "speed_spread": 0.1},
-                  {"gpu": "L40S", "count": 3, "speed_spread": 0.1},
-                  {"gpu": "A10G", "count": 3, "speed_spread": 0.1}],
-        "workload": {"duration_s": 600.0, "warmup_s": 60,
-                     "arrival": {"process": "trace", "path": str(trace), "rate": 37.2}},
-        "faults": [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5, "at_s": 200.0,
-                    "duration_s": 200.0}],
-    }
-    res = simulate(parse_scenario(raw), [PolicyChoice("tailguard")])["results"]["tailguard"]
+    res, _ = replay(tmp_path, "azure-code", 18_000.0, 4,
+                    [("H100-SXM", 2), ("L40S", 3), ("A10G", 3)], {"rate": 37.2},
+                    [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5, "at_s": 200.0,
+                      "duration_s": 200.0}])
     rep = res["outliers"]
     assert rep["time_to_detect"][0]["detected_s"] <= 10.0, rep["time_to_detect"]
     assert rep["false_detections"] == 0
