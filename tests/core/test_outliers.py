@@ -459,6 +459,42 @@ def test_a_windows_samples_are_one_sample() -> None:
     assert caught[0][0] <= 60 + 3
 
 
+def test_a_fast_own_history_does_not_stand_against_slower_recent_peers() -> None:
+    """A node whose peers ran its batch lately but not this second is judged against
+    its own history only where that is not faster than they were: a history keeps
+    the node's fastest moments (a shared host's quiet ones), and a healthy llama.cpp
+    engine read 2.35x its own history at the CPU share its busy peer had. A class
+    of one, with no peers, is still judged against its own history."""
+    def run(gpus: list[str], peer_ratio: float | None) -> list[tuple[str, str]]:
+        rig = Rig(gpus)
+        lone = next(iter(rig.nodes.values()))
+        peers = [n for n in rig.nodes.values() if n.spec.gpu_class == lone.spec.gpu_class
+                 and n is not lone]
+
+        def second(ratio: float, batch: int, peer_batch: int, peer_r: float) -> None:
+            for _ in range(10):
+                rig.det.on_decode(lone, 0.02 * ratio, 0.02, batch, rig.now, rig.now - 0.5)
+                for p in peers:
+                    rig.det.on_decode(p, 0.02 * peer_r, 0.02, peer_batch, rig.now,
+                                      rig.now - 0.5)
+                rig.now += 0.1
+            rig.tick()
+
+        for _ in range(20):  # a quiet host: the node's history at batch 8 is the roofline
+            second(1.0, 8, 1, 1.0)
+        if peer_ratio is not None:
+            for _ in range(2):  # the peers run batch 8 at the busy host's pace...
+                second(1.0, 1, 8, peer_ratio)
+        for _ in range(6):  # ...and the node does, seconds later, while they run batch 1
+            second(2.5, 8, 1, 1.0)
+        return [(n, s) for _, n, s in rig.events]
+
+    assert run(["A100"] * 3, 2.5) == []
+    assert run(["A100"] * 3, None) == [("A100-80GB#0", "degraded")]  # no recent peer level
+    assert run(["A100"] * 3, 1.0) == [("A100-80GB#0", "degraded")]  # peers were fast
+    assert run(["H100", "L4"], None) == [("H100-SXM#0", "degraded")]  # a class of one
+
+
 @dataclass
 class Waiting:
     """A prompt a node owes its first token (what Node.overdue_s reads)."""

@@ -38,7 +38,10 @@ with the reference
   enough (the slower one is the outlier: nobody is flagged for being fast);
 * else, for decode, the node's **own history** in that bucket: its level the
   last time it was healthy and showed no excess (a class of one; TTFT is
-  judged against peers only, see ``prefill_slow_ratio``). A history rises by
+  judged against peers only, see ``prefill_slow_ratio``), or its peers' older
+  levels there (at most ``FRESH`` intervals old) where those are slower: a
+  history keeps a node's fastest moments, which on a shared host are its
+  quiet ones. A history rises by
   at most 1.1x an interval (``HISTORY_RISE``): a slowdown's first seconds can
   close an interval before they have moved the CUSUM, and taken whole they
   became the reference for the rest of it. A class of one also prices the

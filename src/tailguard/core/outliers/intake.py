@@ -222,9 +222,18 @@ class SampleIntake:
                           levels: list[tuple[float, Node]]) -> float | None:
         """A decode window's reference: the median of the peers' levels of that window
         or the one before (``levels``, sorted, the node's own among them perhaps),
-        else the node's own clean history, and only then the peers' older levels
-        (:meth:`_reference`): a healthy A100 running a batch its faster peer had run
-        seconds before read 1.6x slow against that peer's moment."""
+        else the node's own clean history, and the peers' older levels
+        (:meth:`_peer_level`) where they are slower than it.
+
+        Own history alone is the reference of a class of one. Where the node has
+        peers that ran its bucket lately but not this moment, a history that is
+        faster than they are does not stand: a history falls at once and rises
+        slowly, so it keeps the fastest moments the node had, and on a shared
+        host those were the quiet ones (a healthy llama.cpp engine, its peer
+        degraded, read 2.35x its own history at the CPU share its busy peer
+        had). The peers' older levels alone are no reference either: a healthy
+        A100 running a batch its faster peer had run seconds before read 1.6x
+        slow against that peer's moment."""
         others = [lv for lv, other in levels if other is not node]
         if others:
             ev.peers = True
@@ -232,10 +241,39 @@ class SampleIntake:
             mid = n // 2
             return others[mid] if n % 2 else 0.5 * (others[mid - 1] + others[mid])
         own = ev.history.get(b)
-        if own is not None:
-            ev.peers = False
-            return own
-        return self._reference(node, ev, 1, b)
+        older = self._peer_level(node, 1, b)
+        if own is None:
+            ev.peers = older is not None
+            return older
+        ev.peers = older is not None and older > own
+        return older if ev.peers and older is not None else own
+
+    def _peer_level(self, node: Node, k: int, b: int) -> float | None:
+        """The median level of the node's healthy, clean class peers in bucket ``b``
+        (``k``: 0 prefill, 1 decode), each at most ``FRESH`` intervals old."""
+        evidence = self.config.evidence
+        # The peers' levels by bucket (Evidence.level, inlined: the hot path).
+        peers = [oev.levels for other, oh in self._references.get(node.spec.gpu_class, ())
+                 if other is not node
+                 and (oev := oh.prefill if k == 0 else oh.decode).cusum < evidence]
+        if not peers:
+            return None
+        oldest = self._interval - FRESH
+        levels: list[float] = []
+        # The bucket itself, else (prefill) the next octave of tokens at the same
+        # batch: at low rates a node's peers may not have run exactly its kind of
+        # request. Never another batch: on a CPU a batch of two steps 2x slower.
+        near = (b, b - 1, b + 1) if k == 0 else (b,)
+        for bb in near:
+            if bb // TOKEN_BUCKETS != b // TOKEN_BUCKETS:
+                continue
+            for by_bucket in peers:
+                lv = by_bucket.get(bb)
+                if lv is not None and lv[0] >= 2.0 and lv[2] >= oldest:
+                    levels.append(lv[1])
+            if levels:
+                return median(levels)
+        return None
 
     def _sample(self, node: Node, h: NodeHealth, ev: Evidence, k: int, b: int,
                 observed: float, expected: float, now: float | None,
@@ -268,32 +306,10 @@ class SampleIntake:
         the bucket (the peers' levels move little per sample; a reference kept for a
         whole interval was seconds stale, and what a host's contention or a burst of
         load does to every node at once then read as one node's slowness)."""
-        evidence = self.config.evidence
-        # The peers' levels by bucket (Evidence.level, inlined: the hot path).
-        peers = [oev.levels for other, oh in self._references.get(node.spec.gpu_class, ())
-                 if other is not node
-                 and (oev := oh.prefill if k == 0 else oh.decode).cusum < evidence]
-        oldest = self._interval - FRESH
-        levels: list[float] = []
-        # The bucket itself, else (prefill) the next octave of tokens at the same
-        # batch: at low rates a node's peers may not have run exactly its kind of
-        # request. Never another batch: on a CPU a batch of two steps 2x slower.
-        near = (b, b - 1, b + 1) if k == 0 else (b,)
-        for bb in near:
-            if bb // TOKEN_BUCKETS != b // TOKEN_BUCKETS:
-                continue
-            for by_bucket in peers:
-                lv = by_bucket.get(bb)
-                if lv is not None and lv[0] >= 2.0 and lv[2] >= oldest:
-                    levels.append(lv[1])
-            if levels:
-                break
-        if levels:
-            ref: float | None = median(levels)
-            ev.peers = True
-        else:
-            ref = ev.history.get(b) if k == 1 else None  # TTFT: peers only
-            ev.peers = False
+        ref = self._peer_level(node, k, b)
+        ev.peers = ref is not None
+        if ref is None and k == 1:  # TTFT: peers only
+            ref = ev.history.get(b)
         if ref is not None:
             ev.refs[b] = [ref, REF_REUSE]
         return ref
