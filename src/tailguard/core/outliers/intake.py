@@ -190,18 +190,25 @@ class SampleIntake:
         # Each class's peer levels of these moments, by bucket: read once a window
         # (a class of 24 read each other's 24 levels, twice a second live).
         moments: dict[tuple[str, int], list[tuple[float, Node]]] = {}
+        older: dict[tuple[str, int], list[tuple[float, Node]]] = {}
         for node, ev, b, x, seen, since in closed:
             key = (node.spec.gpu_class, b)
             levels = moments.get(key)
             if levels is None:
-                levels = moments[key] = sorted(
-                    ((lv, other) for other, oh in self._references.get(key[0], ())
-                     if oh.decode.cusum < self.config.evidence
-                     and (lv := oh.decode.level(b, self._interval, window)) is not None),
-                    key=first)
-            ref = self._window_reference(node, ev, b, levels)
+                levels = moments[key] = self._peer_levels(key[0], b, window)
+            ref = self._window_reference(node, ev, b, levels, older)
             if ref is not None:
                 self._residual(ev, x - ref, seen, since)
+
+    def _peer_levels(self, gpu_class: str, b: int, window: int) -> list[tuple[float, Node]]:
+        """The levels in decode bucket ``b`` of the class's healthy, clean nodes, sorted:
+        those of decode ``window`` or the one before, or (``window`` -1) any at most
+        ``FRESH`` intervals old."""
+        evidence, interval = self.config.evidence, self._interval
+        return sorted(((lv, other) for other, oh in self._references.get(gpu_class, ())
+                       if oh.decode.cusum < evidence
+                       and (lv := oh.decode.level(b, interval, window)) is not None),
+                      key=first)
 
     def judged_prefill_slowdown(self, node: Node) -> float:
         """The prefill slowdown the node's decode pieces are judged at (the prompt
@@ -219,11 +226,13 @@ class SampleIntake:
         return slowdown
 
     def _window_reference(self, node: Node, ev: Evidence, b: int,
-                          levels: list[tuple[float, Node]]) -> float | None:
+                          levels: list[tuple[float, Node]],
+                          older: dict[tuple[str, int], list[tuple[float, Node]]]) -> float | None:
         """A decode window's reference: the median of the peers' levels of that window
         or the one before (``levels``, sorted, the node's own among them perhaps),
-        else the node's own clean history, and the peers' older levels
-        (:meth:`_peer_level`) where they are slower than it.
+        else the node's own clean history, and the peers' older levels (at most
+        ``FRESH`` intervals old; ``older``, filled as needed, by class and bucket)
+        where they are slower than it.
 
         Own history alone is the reference of a class of one. Where the node has
         peers that ran its bucket lately but not this moment, a history that is
@@ -234,46 +243,18 @@ class SampleIntake:
         had). The peers' older levels alone are no reference either: a healthy
         A100 running a batch its faster peer had run seconds before read 1.6x
         slow against that peer's moment."""
-        others = [lv for lv, other in levels if other is not node]
-        if others:
+        ref = _median_of_others(levels, node)
+        if ref is not None:
             ev.peers = True
-            n = len(others)
-            mid = n // 2
-            return others[mid] if n % 2 else 0.5 * (others[mid - 1] + others[mid])
+            return ref
         own = ev.history.get(b)
-        older = self._peer_level(node, 1, b)
-        if own is None:
-            ev.peers = older is not None
-            return older
-        ev.peers = older is not None and older > own
-        return older if ev.peers and older is not None else own
-
-    def _peer_level(self, node: Node, k: int, b: int) -> float | None:
-        """The median level of the node's healthy, clean class peers in bucket ``b``
-        (``k``: 0 prefill, 1 decode), each at most ``FRESH`` intervals old."""
-        evidence = self.config.evidence
-        # The peers' levels by bucket (Evidence.level, inlined: the hot path).
-        peers = [oev.levels for other, oh in self._references.get(node.spec.gpu_class, ())
-                 if other is not node
-                 and (oev := oh.prefill if k == 0 else oh.decode).cusum < evidence]
-        if not peers:
-            return None
-        oldest = self._interval - FRESH
-        levels: list[float] = []
-        # The bucket itself, else (prefill) the next octave of tokens at the same
-        # batch: at low rates a node's peers may not have run exactly its kind of
-        # request. Never another batch: on a CPU a batch of two steps 2x slower.
-        near = (b, b - 1, b + 1) if k == 0 else (b,)
-        for bb in near:
-            if bb // TOKEN_BUCKETS != b // TOKEN_BUCKETS:
-                continue
-            for by_bucket in peers:
-                lv = by_bucket.get(bb)
-                if lv is not None and lv[0] >= 2.0 and lv[2] >= oldest:
-                    levels.append(lv[1])
-            if levels:
-                return median(levels)
-        return None
+        key = (node.spec.gpu_class, b)
+        later = older.get(key)
+        if later is None:
+            later = older[key] = self._peer_levels(key[0], b, -1)
+        recent = _median_of_others(later, node)
+        ev.peers = recent is not None and (own is None or recent > own)
+        return recent if ev.peers else own
 
     def _sample(self, node: Node, h: NodeHealth, ev: Evidence, k: int, b: int,
                 observed: float, expected: float, now: float | None,
@@ -306,10 +287,32 @@ class SampleIntake:
         the bucket (the peers' levels move little per sample; a reference kept for a
         whole interval was seconds stale, and what a host's contention or a burst of
         load does to every node at once then read as one node's slowness)."""
-        ref = self._peer_level(node, k, b)
-        ev.peers = ref is not None
-        if ref is None and k == 1:  # TTFT: peers only
-            ref = ev.history.get(b)
+        evidence = self.config.evidence
+        # The peers' levels by bucket (Evidence.level, inlined: the hot path).
+        peers = [oev.levels for other, oh in self._references.get(node.spec.gpu_class, ())
+                 if other is not node
+                 and (oev := oh.prefill if k == 0 else oh.decode).cusum < evidence]
+        oldest = self._interval - FRESH
+        levels: list[float] = []
+        # The bucket itself, else (prefill) the next octave of tokens at the same
+        # batch: at low rates a node's peers may not have run exactly its kind of
+        # request. Never another batch: on a CPU a batch of two steps 2x slower.
+        near = (b, b - 1, b + 1) if k == 0 else (b,)
+        for bb in near:
+            if bb // TOKEN_BUCKETS != b // TOKEN_BUCKETS:
+                continue
+            for by_bucket in peers:
+                lv = by_bucket.get(bb)
+                if lv is not None and lv[0] >= 2.0 and lv[2] >= oldest:
+                    levels.append(lv[1])
+            if levels:
+                break
+        if levels:
+            ref: float | None = median(levels)
+            ev.peers = True
+        else:
+            ref = ev.history.get(b) if k == 1 else None  # TTFT: peers only
+            ev.peers = False
         if ref is not None:
             ev.refs[b] = [ref, REF_REUSE]
         return ref
@@ -360,3 +363,13 @@ class SampleIntake:
         if h is not None and h.known_state is NodeState.PROBATION:
             self.on_probation -= 1
         self._nominal.pop(node_id, None)
+
+
+def _median_of_others(levels: list[tuple[float, Node]], node: Node) -> float | None:
+    """The median of sorted ``levels`` but ``node``'s own, if any are left."""
+    others = [lv for lv, other in levels if other is not node]
+    n = len(others)
+    if not n:
+        return None
+    mid = n // 2
+    return others[mid] if n % 2 else 0.5 * (others[mid - 1] + others[mid])
