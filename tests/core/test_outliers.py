@@ -595,7 +595,7 @@ def test_a_pause_that_freezes_only_streams_is_a_stall() -> None:
     many of the node's streams tell it, and merged with the one its prompts tell.
     A gap in which the node answered anything, or after which a prompt still
     waits (one computed whole holds every stream), or while it was short of KV
-    cache, is no stall."""
+    cache or recomputing what it preempted then, is no stall."""
     node = make_nodes(["A100"])["A100-80GB#0"]
     node.decoding = 4
     node.stream_silent(10.0, 10.8, 0.2)  # under STALL_S: a slow step
@@ -623,6 +623,17 @@ def test_a_pause_that_freezes_only_streams_is_a_stall() -> None:
     node.kv_short(40.5)
     node.stream_silent(40.0, 42.0, 0.5)  # queued for KV room: the load's doing
     assert node.stalls == 2
+    # A preemption at 50 whose recompute (the node's context at its prefill speed)
+    # outlasts the gap that begins after it: the recompute's, not a stall.
+    node.kv_short(50.0, 8.0)
+    node.stream_silent(52.0, 54.0, 0.5)
+    late = Waiting(due=53.0, t_dispatch=52.5)
+    node.awaits(late)
+    late.t_first = 55.0
+    node.progressed(55.0)
+    assert node.stalls == 2
+    node.stream_silent(60.0, 62.0, 0.5)  # after the recovery: a stall again
+    assert node.stalls == 3
 
 
 def test_a_prompt_waiting_for_an_engine_slot_is_due_once_one_frees() -> None:

@@ -67,7 +67,7 @@ class Silence:
 
     decoding: int  # read from the node's load
     prefilling: int
-    kv_short_at: float
+    kv_short_until: float
     awaited: deque[Awaited]
     owed_due: float
     owed_until: float
@@ -199,9 +199,10 @@ class Silence:
         if q and q[0].due <= due:  # the front may be the one answering now: its due counts
             due, limit = q[0].due, self._stall_limit()
         since = due if due > self.progress_t else self.progress_t
-        # A silence while the node was short of KV cache (Load.note_kv) is its
-        # prompts queued for room, not a stall.
-        if now - since >= STALL_S and now - since >= limit and self.kv_short_at < since:
+        # A silence while the node was short of KV cache (Load.kv_short), or still
+        # recomputing what it preempted then, is its prompts queued for room or
+        # that recompute, not a stall: as the detector's samples (kv_short_since).
+        if now - since >= STALL_S and now - since >= limit and self.kv_short_until < since:
             self._stalled(since, now)
         self.debt_due = math.inf
         self.progress_t = now
@@ -224,7 +225,7 @@ class Silence:
         other streams, silent through the same pause, tell the same stall.
         """
         if now - since < STALL_S or now - since < limit or self.progress_t > since \
-                or self.prefilling > 0 or self.kv_short_at >= since:
+                or self.prefilling > 0 or self.kv_short_until >= since:
             return
         self._stalled(since, now)
 
