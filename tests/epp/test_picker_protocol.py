@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, ClassVar
 
 import grpc
@@ -34,7 +35,7 @@ from epp_harness import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tailguard.core.exchange import Exchange
-from tailguard.core.fleet import NodeState
+from tailguard.core.fleet import STALL_S, NodeState
 
 CHAT = json.dumps({"model": MODEL, "messages": MSG, "max_tokens": 4, "stream": True}).encode()
 PLAIN = json.dumps({"model": MODEL, "messages": MSG, "max_tokens": 4}).encode()
@@ -297,6 +298,41 @@ def test_a_stream_reset_mid_answer_releases_the_permit() -> None:
             await wait_for(lambda: sum(in_flight(epp).values()) == 0, what="release")
             await wait_for(lambda: epp.picker.streams == 0, what="stream closed")
             assert epp.gateway.fleet.balancer.double_release == 0
+
+    run(body_)
+
+
+def test_a_gap_in_an_answers_body_tells_its_nodes_stall() -> None:
+    """The picker times each chunk of a streamed answer against the one before (no
+    parsing): a gap of STALL_S or more, with nothing else answered on the node, is
+    the node's stall (Node.stream_silent), so the decode timed across it is left out
+    of the detector's evidence; a gap under it is nothing."""
+    async def body_() -> None:
+        async with emulated(["A100", "A100"]) as (_, cfg), picker(cfg) as epp, \
+                channel(epp) as ch:
+            s = ExtProcStream(ch)
+            await s.send(request_headers(), body(CHAT))
+            header, _ = destination(await s.recv())
+            await s.recv()
+            await s.send(response_headers(200, (header or "").split(",")[0]))
+            await s.recv()
+            node, = (n for n in epp.gateway.fleet.balancer.nodes.values() if n.in_flight)
+            chunks = sse(3)
+            await s.send(response_body(chunks[0]))
+            await s.recv()
+            await asyncio.sleep(0.3)
+            await s.send(response_body(chunks[1]))
+            await s.recv()
+            assert node.stalls == 0
+            await asyncio.sleep(STALL_S + 0.3)
+            await s.send(response_body(chunks[2]))
+            await s.recv()
+            assert node.stalls == 1
+            assert node.spans_stall(time.monotonic() - STALL_S, time.monotonic())
+            for chunk in chunks[3:]:
+                await s.send(response_body(chunk, end=chunk is chunks[-1]))
+                await s.recv()
+            await wait_for(lambda: sum(in_flight(epp).values()) == 0, what="release")
 
     run(body_)
 
