@@ -249,10 +249,10 @@ class SampleIntake:
             return ref
         own = ev.history.get(b)
         key = (node.spec.gpu_class, b)
-        later = older.get(key)
-        if later is None:
-            later = older[key] = self._peer_levels(key[0], b, -1)
-        recent = _median_of_others(later, node)
+        lately = older.get(key)
+        if lately is None:
+            lately = older[key] = self._peer_levels(key[0], b, -1)
+        recent = _median_of_others(lately, node)
         ev.peers = recent is not None and (own is None or recent > own)
         return recent if ev.peers else own
 
