@@ -77,7 +77,7 @@ class Load:
                                          max_retries=0, timeout=60)
         self.workers = workers
         self.rng = random.Random(seed)
-        self.served: list[tuple[float, str]] = []  # (time, node)
+        self.served: list[tuple[float, str, bool]] = []  # (time, node, its prompt was fresh)
         self.errors: list[str] = []
         self.mid_stream_errors = 0
         self.streaming: Counter[str] = Counter()  # streams under way, by node
@@ -98,32 +98,35 @@ class Load:
         await asyncio.gather(*self._tasks)
         await self.client.close()
 
-    def messages(self) -> list[dict[str, str]]:
-        if self.rng.random() < 0.5:  # cached: the same prompt every time
+    def messages(self) -> tuple[list[dict[str, str]], bool]:
+        """A prompt, and whether it is fresh (else the same, cached, every time)."""
+        if self.rng.random() < 0.5:
             return [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": "Why do leaves change colour in autumn?"}]
+                    {"role": "user", "content": "Why do leaves change colour in autumn?"}], False
         words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(20, 60)))
-        return [{"role": "user", "content": f"Write about: {words}"}]
+        return [{"role": "user", "content": f"Write about: {words}"}], True
 
     async def _worker(self, i: int, done: asyncio.Event | None = None) -> None:
         n = 0
         while not self._stop.is_set() and not (done is not None and done.is_set()):
             n += 1
             try:
+                messages, fresh = self.messages()
                 if (i + n) % 3:
-                    await self._stream()
+                    await self._stream(messages, fresh)
                 else:
                     raw = await self.client.chat.completions.with_raw_response.create(
-                        model=MODEL_NAME, messages=self.messages(),  # type: ignore[arg-type]
+                        model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
                         max_tokens=16)
                     raw.parse()
-                    self.served.append((time.monotonic(), raw.headers["x-tailguard-node"]))
+                    self.served.append((time.monotonic(), raw.headers["x-tailguard-node"],
+                                        fresh))
             except openai.APIError as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
 
-    async def _stream(self) -> None:
+    async def _stream(self, messages: list[dict[str, str]], fresh: bool) -> None:
         raw = await self.client.chat.completions.with_raw_response.create(
-            model=MODEL_NAME, messages=self.messages(), max_tokens=24,  # type: ignore[arg-type]
+            model=MODEL_NAME, messages=messages, max_tokens=24,  # type: ignore[arg-type]
             stream=True)
         node = raw.headers["x-tailguard-node"]
         self.streaming[node] += 1
@@ -135,11 +138,18 @@ class Load:
             return
         finally:
             self.streaming[node] -= 1
-        self.served.append((time.monotonic(), node))
+        self.served.append((time.monotonic(), node, fresh))
 
     def shares(self, since: float, until: float | None = None) -> Counter[str]:
         end = until if until is not None else float("inf")
-        return Counter(node for t, node in self.served if since <= t < end)
+        return Counter(node for t, node, _ in self.served if since <= t < end)
+
+    def mix(self, since: float, until: float) -> str:
+        """What each node served from ``since`` to ``until``: cached and fresh prompts."""
+        got: Counter[tuple[str, bool]] = Counter(
+            (node, fresh) for t, node, fresh in self.served if since <= t < until)
+        nodes = sorted({node for node, _ in got})
+        return ", ".join(f"{n} {got[n, False]} cached / {got[n, True]} fresh" for n in nodes)
 
 
 async def throttle(server: LlamaServer, stop: asyncio.Event, run_s: float = 0.2,
@@ -177,7 +187,8 @@ STARVED = 1.3
 STARVED_WINDOW_S = 10.0
 
 
-def false_detections(gw: RunningGateway, cpu: CpuWatch, throttled: str = "") -> list[str]:
+def false_detections(gw: RunningGateway, cpu: CpuWatch, load: Load,
+                     throttled: str = "") -> list[str]:
     """The degradations and quarantines of nodes that were neither throttled nor
     starved of CPU by the host (each with every engine's CPU share before it).
 
@@ -198,8 +209,11 @@ def false_detections(gw: RunningGateway, cpu: CpuWatch, throttled: str = "") -> 
         best = max((s for n, s in zip(names, shares, strict=True)
                     if n not in (e["node"], throttled) and not math.isnan(s)), default=math.nan)
         if not own * STARVED <= best:  # nan compares false: unexplained
+            t = e["time"] + time.monotonic() - time.time()  # the clients' clock
             false.append(f"{e['node']} {e['state']}: {e.get('reason')} (CPU shares while "
-                         f"runnable {', '.join(f'{s:.2f}' for s in shares)}; now: "
+                         f"runnable {', '.join(f'{s:.2f}' for s in shares)}; served in the "
+                         f"{STARVED_WINDOW_S:.0f} s before: "
+                         f"{load.mix(t - STARVED_WINDOW_S, t)}; now: "
                          f"{evidence(gw, e['node'])} states {states(gw)})")
     return false
 
@@ -242,7 +256,8 @@ async def _body(servers: list[LlamaServer], cpu: CpuWatch) -> None:
         # 1. mixed load
         t_healthy = time.monotonic()
         await asyncio.sleep(20.0)
-        assert false_detections(gw, cpu) == [], events(gw)
+        false = false_detections(gw, cpu, load)
+        assert not false, "\n".join(false)
         before = load.shares(t_healthy + 5.0)
         total_before = sum(before.values())
         assert total_before >= 30 and len(before) == 3, before
@@ -288,7 +303,8 @@ async def _body(servers: list[LlamaServer], cpu: CpuWatch) -> None:
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {evidence(gw, 'cpu-1')} {events(gw)}; "
                                  f"{cpu_shares(cpu)}") from None
-        assert false_detections(gw, cpu, throttled="cpu-1") == [], events(gw)
+        false = false_detections(gw, cpu, load, throttled="cpu-1")
+        assert not false, "\n".join([*false, *events(gw)])
         assert not load.errors, load.errors[:5]
         # 3. kill -9 mid-stream: wait until a stream runs on cpu-2, then kill it
         await wait_for(lambda: load.streaming["cpu-2"] > 0, timeout=20.0,
