@@ -281,16 +281,23 @@ def test_queue_holds_the_reply_and_a_full_queue_sheds_with_retry_after() -> None
     run(body_)
 
 
+async def answering(ch: grpc.aio.Channel) -> ExtProcStream:
+    """A streamed chat request routed, and its answer's headers let through: the
+    stream is where Envoy sends the answer's body."""
+    s = ExtProcStream(ch)
+    await s.send(request_headers(), body(CHAT))
+    header, _ = destination(await s.recv())
+    await s.recv()
+    await s.send(response_headers(200, (header or "").split(",")[0]))
+    await s.recv()
+    return s
+
+
 def test_a_stream_reset_mid_answer_releases_the_permit() -> None:
     async def body_() -> None:
         async with emulated(["A100", "A100"]) as (_, cfg), picker(cfg) as epp, \
                 channel(epp) as ch:
-            s = ExtProcStream(ch)
-            await s.send(request_headers(), body(CHAT))
-            header, _ = destination(await s.recv())
-            await s.recv()
-            await s.send(response_headers(200, (header or "").split(",")[0]))
-            await s.recv()
+            s = await answering(ch)
             await s.send(response_body(sse(3)[0]))
             await s.recv()
             assert sum(in_flight(epp).values()) == 1
@@ -310,12 +317,7 @@ def test_a_gap_in_an_answers_body_tells_its_nodes_stall() -> None:
     async def body_() -> None:
         async with emulated(["A100", "A100"]) as (_, cfg), picker(cfg) as epp, \
                 channel(epp) as ch:
-            s = ExtProcStream(ch)
-            await s.send(request_headers(), body(CHAT))
-            header, _ = destination(await s.recv())
-            await s.recv()
-            await s.send(response_headers(200, (header or "").split(",")[0]))
-            await s.recv()
+            s = await answering(ch)
             node, = (n for n in epp.gateway.fleet.balancer.nodes.values() if n.in_flight)
             chunks = sse(3)
             await s.send(response_body(chunks[0]))
