@@ -764,7 +764,7 @@ def test_an_engine_that_counts_its_preemptions_says_when_it_is_short_of_kv() -> 
         node.dispatched(node.perf.kv_capacity_tokens // 4, node.perf.kv_capacity_tokens // 4)
     kv = node.perf.kv_capacity_tokens
     assert node.note_kv(rig.now, 200.0, kv, 1.0)  # no report: the gateway's count
-    node.kv_short_at = node.kv_short_until = -math.inf
+    node.kv_short_until = -math.inf
     node.report_engine(EngineReport(running=8, waiting=90, kv_usage=0.2, at=rig.now,
                                     preemptions=5))
     assert not node.note_kv(rig.now, 200.0, kv, 1.0)

@@ -29,8 +29,8 @@ class Load:
         __slots__ = ()
     FIELDS: ClassVar[tuple[str, ...]] = (
         "area_t", "awaiting_kv", "context_tokens", "ctx_area", "dec_area", "decoding",
-        "dispatched_total", "in_flight", "kv_short_at", "kv_short_until", "prefill_backlog",
-        "prefill_tokens_total", "prefilling")
+        "dispatched_total", "in_flight", "kv_short_until", "prefill_backlog", "prefill_tokens_total",
+        "prefilling")
 
     in_flight: int  # dispatched and not yet released
     prefilling: int  # ... of which still waiting for their first token
@@ -51,13 +51,12 @@ class Load:
     ctx_area: float
     dec_area: float
     area_t: float
-    # When the node was last seen short of KV cache (:meth:`note_kv`), and until
-    # when what it times is the shortage's (its recompute after).
-    kv_short_at: float
+    # Until when what the node times is a KV shortage's (the last time it was seen
+    # short of KV cache, :meth:`kv_short`, and the recompute after).
     kv_short_until: float
 
     def _init_load(self) -> None:
-        self.kv_short_at = self.kv_short_until = -math.inf
+        self.kv_short_until = -math.inf
         self.in_flight = self.prefilling = self.prefill_backlog = self.decoding = 0
         self.awaiting_kv = 0
         self.dispatched_total = self.prefill_tokens_total = 0
@@ -98,8 +97,6 @@ class Load:
         spilled an overload here (every node of the pool predicted to miss the
         SLO; ``policies/tailguard.py``, "Overload"). What it times then, and for
         ``recover_s`` after (the recompute of what it preempted), is the load's."""
-        if at > self.kv_short_at:
-            self.kv_short_at = at
         if at + recover_s > self.kv_short_until:
             self.kv_short_until = at + recover_s
 
