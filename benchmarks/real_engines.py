@@ -49,7 +49,7 @@ from gateway_overhead import cpu_s, free_port
 from epp import wait_http  # this folder's: run as a script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gateway"))
-from llama_servers import MODEL_NAME, LlamaServer, find_engine
+from llama_servers import CPU_CATALOG, MODEL_NAME, LlamaServer, find_engine
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence, plainly, without lists. "
           "The user is curious about nature, animals and the weather.")
@@ -75,6 +75,7 @@ class Gateway:
         self.port = free_port()
         doc: dict[str, Any] = {
             "listen": f"127.0.0.1:{self.port}",
+            "catalog": CPU_CATALOG,
             "nodes": [{"id": f"cpu-{i}", "url": s.url, "gpu": "llama-cpu",
                        "models": [MODEL_NAME], "max_num_seqs": s.slots}
                       for i, s in enumerate(servers)],

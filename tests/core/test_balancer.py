@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from tailguard.core.balancer import Balancer, PoolConfig
 from tailguard.core.fleet import NodeSpec, Outcome
+from tailguard.core.fleet.work import DUTY_TAU_S
 from tailguard.core.hardware import DEFAULT_CATALOG
 
 MODEL = "llama-3.1-8b"
@@ -250,9 +252,29 @@ def test_prompt_work_accrues_while_it_computes() -> None:
     # Through the balancer: picked, streamed, finished, the node's total is every prompt's.
     t = b.pick(MODEL, 2000, 40.0)
     assert t is not None and t.work > 0.0
-    b.on_first_token(t, 40.05)
+    work = t.work
+    b.on_first_token(t, 40.0 + 2.0 * work)  # its prompt computed in its time
     b.on_finish(t, 42.0, Outcome.OK, 100)
-    assert node.work_at(42.0) == pytest.approx(0.75 + t.work)
+    assert t.work == work and node.work_at(42.0) == pytest.approx(0.75 + work)
+
+
+def test_a_first_token_too_soon_for_its_prompt_keeps_only_what_fits() -> None:
+    """A prompt's work, at the node's speed, fits in its TTFT: a first token sooner
+    says the engine computed less (a prefix-cache hit the router did not foresee),
+    and the node's ledger and recent prompt rate keep only what fits, the rate as
+    decayed since the dispatch."""
+    b = make(1)
+    node = b.nodes["n0"]
+    t = b.pick(MODEL, 2000, 0.0)
+    assert t is not None and t.work > 0.1
+    assert node.duty == pytest.approx(t.work / DUTY_TAU_S)
+    b.tick(0.02)
+    b.on_first_token(t, 0.05)  # mostly served from the engine's cache
+    assert t.work == pytest.approx(0.05)
+    assert node.duty == pytest.approx(0.05 * math.exp(-0.02 / DUTY_TAU_S) / DUTY_TAU_S)
+    assert node.work_at(0.05) == pytest.approx(0.05)
+    b.on_finish(t, 1.0, Outcome.OK, 50)
+    assert node.work_at(1.0) == pytest.approx(0.05)
 
 
 def test_prompts_accrue_first_come_first_served_at_a_rising_share() -> None:

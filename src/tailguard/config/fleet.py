@@ -79,7 +79,7 @@ from tailguard.config.settings import (
     Timeouts as Timeouts,
 )
 from tailguard.config.shared_state import SharedStateBlock
-from tailguard.core.balancer import PoolConfig
+from tailguard.core.balancer import FALLBACK_GPU, PoolConfig
 from tailguard.core.fleet import NodeSpec
 from tailguard.core.hardware import DEFAULT_CATALOG, Catalog
 from tailguard.core.policies import DEFAULT_POLICY, policy_names
@@ -289,8 +289,9 @@ class NodeBlock(ReplicaShape):
         gpu = layout.name if layout is not None else str(self.gpu)
         gpu_spec = catalog.find_gpu(gpu) if layout is None else layout.stages[0].gpu
         if gpu_spec is None and warnings is not None:
-            warnings.append(f"{where}.gpu: unknown GPU {gpu!r}; its capacity will be learned "
-                            "from measurements (known: "
+            warnings.append(f"{where}.gpu: unknown GPU {gpu!r}; its speed will be learned "
+                            f"from measurements on an {FALLBACK_GPU}'s shape (declare a card of "
+                            "another shape, such as a CPU, under catalog:; known: "
                             + ", ".join(g.name for g in catalog.gpus) + ")")
         spec = NodeSpec(
             id=str(self.id), gpu=gpu_spec, gpu_name=gpu, models=tuple(self.models),

@@ -69,6 +69,15 @@ class Learner:
         ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
             node.prompt_done(ticket.backlog, ticket.prompt_tokens, now)
+            # Its prompt's work, at the node's speed, fits in its TTFT: a first token
+            # sooner than that says the engine computed less (a prefix-cache hit
+            # the router could not foresee: the rates and the detector's ledger
+            # would otherwise count as work what the cache served).
+            slowdown = min(node.class_prefill_slowdown, node.capacity.prefill_slowdown)
+            most = (now - ticket.t_dispatch) / slowdown
+            if ticket.work > most:
+                node.recount_work(ticket.work, most, ticket.t_dispatch)
+                ticket.work = most
             node.end_work(ticket.work, ticket.accrual, now)  # computed: counted where it ran
         ticket.seg_work = ticket.work_at_first = node.work_at(now)
         ticket.seg_areas = ticket.areas_at_first = node.areas_at(now)

@@ -191,6 +191,19 @@ class PromptWork:
         q = self.duty_sq - seconds * seconds / DUTY_TAU_S
         self.duty_sq = q if q > 0.0 else 0.0
 
+    def recount_work(self, counted: float, actual: float, since: float) -> None:
+        """A prompt dispatched at ``since`` and counted in the rates as ``counted``
+        seconds of work took ``actual`` (its first token said so): the rates hold
+        ``actual`` from then on, decayed as the rest."""
+        if self.duty_t > since:
+            w = math.exp(-(self.duty_t - since) / DUTY_TAU_S) / DUTY_TAU_S
+        else:
+            w = 1.0 / DUTY_TAU_S
+        d = self.duty + (actual - counted) * w
+        self.duty = d if d > 0.0 else 0.0
+        q = self.duty_sq + (actual * actual - counted * counted) * w
+        self.duty_sq = q if q > 0.0 else 0.0
+
     def decay_duty(self, now: float) -> None:
         """The prompt rates forget what was dispatched before ``now`` (each tick)."""
         dt = now - self.duty_t
