@@ -63,11 +63,13 @@ def find_engine() -> tuple[Path, Path]:
     pytest.skip(message)
 
 
-def fleet_doc(servers: list[LlamaServer], idle_s: float) -> dict[str, Any]:
-    """A fleet file for a gateway in front of ``servers`` (``cpu-0``, ``cpu-1``...)."""
+def fleet_doc(servers: list[LlamaServer], idle_s: float, declared: bool = True
+              ) -> dict[str, Any]:
+    """A fleet file for a gateway in front of ``servers`` (``cpu-0``, ``cpu-1``...),
+    their card declared (``CPU_CATALOG``) or, ``declared=False``, left unknown."""
     return {
         "listen": "127.0.0.1:0",
-        "catalog": CPU_CATALOG,
+        "catalog": CPU_CATALOG if declared else {},
         "nodes": [{"id": f"cpu-{i}", "url": s.url, "gpu": "llama-cpu", "models": [MODEL_NAME],
                    "max_num_seqs": s.slots} for i, s in enumerate(servers)],
         "pools": {MODEL_NAME: {"policy": "tailguard",

@@ -34,8 +34,14 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse
 
 async def _one_stream(servers: list[LlamaServer], fault: Callable[[LlamaServer], None],
                       undo: Callable[[LlamaServer], None] | None) -> dict[str, Any]:
-    # idle_s 30: without migration the frozen stream would end in an error only then
-    async with run_gateway(parse_fleet(fleet_doc(servers, idle_s=30.0))) as gw:
+    # idle_s 30: without migration the frozen stream would end in an error only then.
+    # The card left unknown (a GPU's shape): a fresh gateway prices a stream's
+    # stall threshold at a step carrying a chunk of the pool's prior mean prompt
+    # (1,000 tokens, until a few hundred requests have moved it), which on these
+    # CPU engines' declared shape is some 40 s, and the health checks take the
+    # frozen engine out first (the stream then moves as a failure).
+    async with run_gateway(parse_fleet(fleet_doc(servers, idle_s=30.0,
+                                                 declared=False))) as gw:
         await wait_for(lambda: all(m.engine == "llamacpp" for m in gw.fleet.monitors.values()),
                        timeout=10.0, what="llama.cpp detected on every node")
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,
