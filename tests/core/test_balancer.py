@@ -295,3 +295,27 @@ def test_prompts_accrue_first_come_first_served_at_a_rising_share() -> None:
     assert node.work_at(12.5) == pytest.approx(1.5)
     assert node.work_at(20.0) == pytest.approx(1.5) and node.work_rate == 0.0
     assert node.chunk_s() == 0.0 and node.work_free_at(20.0) == 20.0
+
+
+def test_a_node_slow_to_prefill_is_judged_at_its_peers_prefill_speed() -> None:
+    """The prompt chunks in a node's decode pieces are priced at its class's prefill
+    speed, or, once its TTFT reads slow for its class, at its peers': at the
+    class's, a throttled node's own slower prefill would, through the mean, excuse
+    part of its slowness (half of it in a class of two)."""
+    b = make(3, "tailguard")
+    n0, n1, n2 = (b.nodes[f"n{i}"] for i in range(3))
+    for _ in range(40):
+        n0.capacity.prefill.update(2.0, 1.0)  # throttled to half speed
+        n1.capacity.prefill.update(1.1, 1.0)
+        n2.capacity.prefill.update(0.9, 1.0)
+    b.tick(1.0)
+    logs = [n.capacity.prefill.log_ratio for n in (n0, n1, n2)]
+    assert n0.class_prefill_slowdown == pytest.approx(math.exp(sum(logs) / 3))
+    assert n0.peers_prefill_slowdown == pytest.approx(math.exp((logs[1] + logs[2]) / 2))
+    assert n1.peers_prefill_slowdown == pytest.approx(math.exp((logs[0] + logs[2]) / 2))
+    det = b.outliers
+    assert det is not None
+    assert det.judged_prefill_slowdown(n0) == n0.class_prefill_slowdown
+    det.health["n0"].prefill.cusum = det.config.evidence  # its TTFT flagged slow
+    assert det.judged_prefill_slowdown(n0) == n0.peers_prefill_slowdown
+    assert det.judged_prefill_slowdown(n1) == n1.class_prefill_slowdown

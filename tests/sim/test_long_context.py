@@ -135,3 +135,19 @@ def test_a_throttle_during_a_prompt_burst_is_caught(tmp_path: Path) -> None:
     rep = res["outliers"]
     assert rep["time_to_detect"][0]["detected_s"] <= 10.0, rep["time_to_detect"]
     assert rep["false_detections"] == 0
+
+
+def test_a_throttle_in_a_class_of_two_is_not_excused_by_its_own_prefill(
+        tmp_path: Path) -> None:
+    """The same on another draw of the trace: the throttled H100's prompts, a large
+    share of each decode piece, were priced at its class's prefill speed, the mean
+    of its peer's and its own throttled one, which excused half the throttle
+    (each piece read 1.35-1.43x against its peer, near the flag's allowance):
+    caught after 25 s. Priced at its peer's speed once its TTFT reads slow: 10 s."""
+    res, _ = replay(tmp_path, "azure-code", 18_000.0, 7,
+                    [("H100-SXM", 2), ("L40S", 3), ("A10G", 3)], {"rate": 37.2},
+                    [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5, "at_s": 200.0,
+                      "duration_s": 200.0}])
+    rep = res["outliers"]
+    assert rep["time_to_detect"][0]["detected_s"] <= 15.0, rep["time_to_detect"]
+    assert rep["false_detections"] == 0

@@ -683,18 +683,18 @@ class Balancer:
             if hn:
                 d, p, n = hd, hp, hn
             # Its own excess is against the others of its class (in a class of two,
-            # the mean with itself would halve a slow card's excess in log terms).
-            own = node.capacity.decode
+            # the mean with itself would halve a slow card's excess in log terms);
+            # so are the prefill speeds its decode is judged at.
+            counted = bool(hn) and node.state is NodeState.HEALTHY and n > 1.0
+            mine_d, mine_p = node.capacity.decode.log_ratio, node.capacity.prefill.log_ratio
+            if node.remote_speed is not None:
+                mine_d, mine_p = merged_speed(node.capacity, node.remote_speed)
             excess = 1.0
-            if own.samples >= OWN_SAMPLES:
-                mine = own.log_ratio
-                if node.remote_speed is not None:
-                    mine = merged_speed(node.capacity, node.remote_speed)[0]
-                others, k = d, n
-                if hn and node.state is NodeState.HEALTHY:
-                    others, k = d - mine, n - 1.0
+            if node.capacity.decode.samples >= OWN_SAMPLES:
+                others, k = (d - mine_d, n - 1.0) if counted else (d, n)
                 if k > 0.0:
-                    mine_over = math.exp(mine - others / k)
+                    mine_over = math.exp(mine_d - others / k)
                     if mine_over > OWN_MARGIN:
                         excess = mine_over
-            node.set_class_speed(math.exp(d / n), math.exp(p / n), excess)
+            peers_p = (p - mine_p) / (n - 1.0) if counted else p / n
+            node.set_class_speed(math.exp(d / n), math.exp(p / n), excess, math.exp(peers_p))

@@ -69,11 +69,14 @@ class Learner:
         ticket.batch_at_first = ticket.seg_batch = node.fleet_in_flight
         if not ticket.presumed:
             node.prompt_done(ticket.backlog, ticket.prompt_tokens, now)
-            # Its prompt's work, at the node's speed, fits in its TTFT: a first token
-            # sooner than that says the engine computed less (a prefix-cache hit
-            # the router could not foresee: the rates and the detector's ledger
-            # would otherwise count as work what the cache served).
-            slowdown = min(node.class_prefill_slowdown, node.capacity.prefill_slowdown)
+            # Its prompt's work fits in its TTFT: a first token sooner says the
+            # engine computed less (a prefix-cache hit the router could not
+            # foresee: the rates and the detector's ledger would otherwise count
+            # as work what the cache served). At the node's speed where that is
+            # faster than the roofline; not tightened where it is slower, since
+            # a learned slowdown carries queueing too, and taken whole it cut
+            # real work on overloaded nodes (benchmarks/README.md).
+            slowdown = min(node.class_prefill_slowdown, node.capacity.prefill_slowdown, 1.0)
             most = (now - ticket.t_dispatch) / slowdown
             if ticket.work > most:
                 node.recount_work(ticket.work, most, ticket.t_dispatch)

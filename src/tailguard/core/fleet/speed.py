@@ -21,7 +21,7 @@ class Speed:
     if not TYPE_CHECKING:  # slots are the node's (mypy would take these as the part's)
         __slots__ = ()
     FIELDS: ClassVar[tuple[str, ...]] = ("capacity", "class_decode_slowdown", "class_prefill_slowdown", "decode_excess",
-              "latency", "presumed_cache_hits", "tpot", "ttft")
+              "latency", "peers_prefill_slowdown", "presumed_cache_hits", "tpot", "ttft")
 
     capacity: CapacityEstimate  # the node's own slowdowns (the learner's samples)
     # The GPU class's learned slowdowns (geometric mean over its nodes), which is
@@ -34,6 +34,11 @@ class Speed:
     # is below what the detector flags; not where the two differ by noise, or
     # the check would move load from one of two identical cards to the other.
     decode_excess: float
+    # The prefill slowdown of the class's others (its healthy ones; the class's
+    # where the node is alone or not healthy): what the outlier detector prices
+    # the prompt chunks in the node's decode at once its TTFT reads slow, so that
+    # its own slowness does not, through the class's mean, excuse itself.
+    peers_prefill_slowdown: float
     latency: PeakEwma
     ttft: Ewma
     tpot: Ewma
@@ -46,16 +51,20 @@ class Speed:
         self.class_decode_slowdown = 1.0
         self.class_prefill_slowdown = 1.0
         self.decode_excess = 1.0
+        self.peers_prefill_slowdown = 1.0
         self.latency = PeakEwma(tau=10.0)
         self.ttft = Ewma(tau=10.0)
         self.tpot = Ewma(tau=10.0)
         self.presumed_cache_hits = 0
 
-    def set_class_speed(self, decode: float, prefill: float, excess: float) -> None:
-        """The class's slowdowns and the node's own decode excess over them (each tick)."""
+    def set_class_speed(self, decode: float, prefill: float, excess: float,
+                        peers_prefill: float | None = None) -> None:
+        """The class's slowdowns, the node's own decode excess over them, and its
+        peers' prefill slowdown (None: the class's), each tick."""
         self.class_decode_slowdown = decode
         self.class_prefill_slowdown = prefill
         self.decode_excess = excess
+        self.peers_prefill_slowdown = prefill if peers_prefill is None else peers_prefill
 
     def presumed_cache_hit(self) -> None:
         """A first token taken for a prefix-cache hit (nothing learnt from it)."""

@@ -47,7 +47,9 @@ with the reference
   became the reference for the rest of it. A class of one also prices the
   prompt chunks in its decode pieces at its prefill speed as of its last
   clean interval (:meth:`SampleIntake.judged_prefill_slowdown`), since its
-  class's learned speed is its own and would learn a throttle too;
+  class's learned speed is its own and would learn a throttle too; a node in
+  a larger class whose TTFT already reads slow prices them at its peers'
+  prefill speed, not at the class's mean with its own;
 * else nothing: the sample only teaches the node's own level.
 
 Evidence, not a fixed sample count

@@ -212,17 +212,25 @@ class SampleIntake:
 
     def judged_prefill_slowdown(self, node: Node) -> float:
         """The prefill slowdown the node's decode pieces are judged at (the prompt
-        chunks sharing their steps): its class's, except for a node alone in its
-        class, whose class speed is its own: there, no more than it was when its
-        decode evidence was last clean. Otherwise a class of one that slows down
-        teaches its own prefill speed and the chunks priced at it absorb half the
-        slowdown of every piece (a throttled lone H100 read 1.45x, not 2x)."""
-        slowdown = node.class_prefill_slowdown
+        chunks sharing their steps). A node that slows down teaches its own
+        prefill speed, and chunks priced at it absorb the slowdown of every piece
+        they fill. So: its class's speed, but its peers' once its own TTFT reads
+        slow for its class (its prefill evidence at the flag's threshold: in a
+        class of two, the mean with its own excused half a throttle); for a node
+        alone in its class, whose class speed is its own, no more than it was
+        when its decode evidence was last clean (a throttled lone H100 read
+        1.45x, not 2x). Not its peers' always: under a long-prompt overload the
+        nodes' learned prefill speeds part by the load's doing, and priced at
+        the others' a node's decode read slow more often."""
         peers = self._classes.get(node.spec.gpu_class)
-        if peers is not None and len(peers) == 1:
-            h = self.health.get(node.id)
-            if h is not None and 0.0 < h.clean_prefill < slowdown:
-                return h.clean_prefill
+        h = self.health.get(node.id)
+        if peers is None or len(peers) > 1:
+            if h is not None and h.prefill.cusum >= self.config.evidence:
+                return node.peers_prefill_slowdown
+            return node.class_prefill_slowdown
+        slowdown = node.class_prefill_slowdown
+        if h is not None and 0.0 < h.clean_prefill < slowdown:
+            return h.clean_prefill
         return slowdown
 
     def _window_reference(self, node: Node, ev: Evidence, b: int,
