@@ -121,33 +121,35 @@ def test_a_short_prompt_burst_past_capacity_is_the_loads_doing(tmp_path: Path) -
     assert res["outliers"]["false_detections"] <= 2
 
 
-def test_a_throttle_during_a_prompt_burst_is_caught(tmp_path: Path) -> None:
-    """Azure's code trace shape on two H100s: its bursts queue a hundred prompts on
-    an H100 whose engine, computing them a step at a time, holds a fifth of its
-    KV cache. Counted as if every queued prompt held its KV, the node looked short
-    of cache for the whole burst and what it timed was left out: a throttle at the
-    burst's start went unseen for 26 s. The engine's own word (no preemption, its
-    cache not full) keeps the node judged, and the throttle is caught in 3 s."""
-    res, _ = replay(tmp_path, "azure-code", 18_000.0, 4,
+def azure_code_throttle(tmp_path: Path, seed: int) -> dict[str, Any]:
+    """Azure's code trace shape (draw ``seed``) on two H100s, three L40S and three
+    A10G, one H100 throttled to half speed at 200 s: the detector's report."""
+    res, _ = replay(tmp_path, "azure-code", 18_000.0, seed,
                     [("H100-SXM", 2), ("L40S", 3), ("A10G", 3)], {"rate": 37.2},
                     [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5, "at_s": 200.0,
                       "duration_s": 200.0}])
-    rep = res["outliers"]
-    assert rep["time_to_detect"][0]["detected_s"] <= 10.0, rep["time_to_detect"]
+    rep: dict[str, Any] = res["outliers"]
     assert rep["false_detections"] == 0
+    return rep
+
+
+def test_a_throttle_during_a_prompt_burst_is_caught(tmp_path: Path) -> None:
+    """Its bursts queue a hundred prompts on an H100 whose engine, computing them a
+    step at a time, holds a fifth of its KV cache. Counted as if every queued
+    prompt held its KV, the node looked short of cache for the whole burst and
+    what it timed was left out: a throttle at the burst's start went unseen for
+    26 s. The engine's own word (no preemption, its cache not full) keeps the
+    node judged, and the throttle is caught in 3 s."""
+    rep = azure_code_throttle(tmp_path, 4)
+    assert rep["time_to_detect"][0]["detected_s"] <= 10.0, rep["time_to_detect"]
 
 
 def test_a_throttle_in_a_class_of_two_is_not_excused_by_its_own_prefill(
         tmp_path: Path) -> None:
-    """The same on another draw of the trace: the throttled H100's prompts, a large
-    share of each decode piece, were priced at its class's prefill speed, the mean
-    of its peer's and its own throttled one, which excused half the throttle
-    (each piece read 1.35-1.43x against its peer, near the flag's allowance):
-    caught after 25 s. Priced at its peer's speed once its TTFT reads slow: 10 s."""
-    res, _ = replay(tmp_path, "azure-code", 18_000.0, 7,
-                    [("H100-SXM", 2), ("L40S", 3), ("A10G", 3)], {"rate": 37.2},
-                    [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5, "at_s": 200.0,
-                      "duration_s": 200.0}])
-    rep = res["outliers"]
+    """Another draw: the throttled H100's prompts, a large share of each decode
+    piece, were priced at its class's prefill speed, the mean of its peer's and
+    its own throttled one, which excused half the throttle (each piece read
+    1.35-1.43x against its peer, near the flag's allowance): caught after 25 s.
+    Priced at its peer's speed once its TTFT reads slow: 10 s."""
+    rep = azure_code_throttle(tmp_path, 7)
     assert rep["time_to_detect"][0]["detected_s"] <= 15.0, rep["time_to_detect"]
-    assert rep["false_detections"] == 0
