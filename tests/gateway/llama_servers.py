@@ -28,7 +28,7 @@ MODEL_NAME = "smollm"
 # The engines' hardware, declared as an operator declares a card the catalog lacks.
 # Left unknown, it would get a GPU's shape (L40S), under which a prompt rides
 # along with a memory-bound decode step almost free, while a CPU thread computes
-# it whole between two tokens: a 52-token prompt costs some 35 decode steps here.
+# it whole between two tokens: a 52-token prompt costs some 33 decode steps here.
 # Measured with llama-server's own timings (one thread, this repository's 2-core
 # machine, 2026-12-07): 190 prompt tokens/s, 120 decode tokens/s at one stream.
 # Under the roofline's efficiencies (eta_compute 0.7, eta_mem 0.75, 2.9 ms of

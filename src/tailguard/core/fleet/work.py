@@ -186,10 +186,7 @@ class PromptWork:
 
     def withdraw_work(self, seconds: float) -> None:
         """A dispatched prompt that will not be computed (its request failed first)."""
-        d = self.duty - seconds / DUTY_TAU_S
-        self.duty = d if d > 0.0 else 0.0
-        q = self.duty_sq - seconds * seconds / DUTY_TAU_S
-        self.duty_sq = q if q > 0.0 else 0.0
+        self._shift_rates(-seconds / DUTY_TAU_S, -seconds * seconds / DUTY_TAU_S)
 
     def recount_work(self, counted: float, actual: float, since: float) -> None:
         """A prompt dispatched at ``since`` and counted in the rates as ``counted``
@@ -199,9 +196,13 @@ class PromptWork:
             w = math.exp(-(self.duty_t - since) / DUTY_TAU_S) / DUTY_TAU_S
         else:
             w = 1.0 / DUTY_TAU_S
-        d = self.duty + (actual - counted) * w
+        self._shift_rates((actual - counted) * w, (actual * actual - counted * counted) * w)
+
+    def _shift_rates(self, duty: float, duty_sq: float) -> None:
+        """Add to the prompt rates, never taking them below 0."""
+        d = self.duty + duty
         self.duty = d if d > 0.0 else 0.0
-        q = self.duty_sq + (actual * actual - counted * counted) * w
+        q = self.duty_sq + duty_sq
         self.duty_sq = q if q > 0.0 else 0.0
 
     def decay_duty(self, now: float) -> None:
