@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from tailguard.core.hardware import DEFAULT_CATALOG, PerfModel
 from tailguard.core.policies import Slo
 from tailguard.planner.plan import engine_plan
@@ -9,12 +13,16 @@ from tailguard.planner.verify import base_scenario
 from tailguard.sim.capacity import (
     NODE_SPAN_S,
     PROBE_REQUESTS,
+    WARMUP_SHARE,
     ProbeStream,
     _meets,
+    _met_alone,
     node_capacity,
     probe_workload,
     replica_capacity,
 )
+from tailguard.sim.cluster import run_cluster
+from tailguard.sim.results import attainment
 from tailguard.sim.scenario import NodePlan
 
 MODEL = DEFAULT_CATALOG.model("llama-3.1-8b")
@@ -104,3 +112,32 @@ def test_a_node_that_misses_long_prompts_alone_is_named_with_its_reason() -> Non
                      "input_tokens": {"dist": "fixed", "value": 500},
                      "output_tokens": {"dist": "fixed", "value": 50}}})
     assert misses_alone(short, short.nodes()[0]) == {}
+
+
+@pytest.mark.parametrize(("gpu", "prompt_mu", "rate", "horizon_s"), [
+    ("H100-SXM", 7.0, 20.0, 1e9),  # busy, within the SLO
+    ("H100-SXM", 7.0, 28.0, 1e9),  # over capacity: the queue grows
+    ("L4", 8.5, 0.1, 1e9),  # long prompts: some miss TTFT, some cannot fit its KV
+    ("A100-80GB", 7.0, 6.0, 60.0),  # cut off at the horizon with requests unfinished
+])
+def test_a_lone_nodes_probe_gives_what_the_full_simulator_gives(
+        gpu: str, prompt_mu: float, rate: float, horizon_s: float) -> None:
+    """A probe of one node drives its engine directly (``_met_alone``): nothing
+    between the client and a lone node may change a request's timing, so the
+    attainment is exactly the simulated gateway's."""
+    rng = random.Random(f"{gpu}:{rate}")
+    n = 800
+    t, arrivals = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    prompts = [min(60_000, max(1, int(rng.lognormvariate(prompt_mu, 0.9)))) for _ in range(n)]
+    outputs = [max(1, int(rng.expovariate(1 / 150))) for _ in range(n)]
+    perf = PerfModel(DEFAULT_CATALOG.gpu(gpu), MODEL, 1)
+    engine = engine_plan(perf, SLO.tpot_s, 1155.0, 211.0).engine
+    start = arrivals[int(n * WARMUP_SHARE)]
+    rec = run_cluster([NodePlan("n", 0, perf, engine)], MODEL.name, arrivals, prompts,
+                      outputs, policy="round_robin", slo=SLO, seed=0, horizon_s=horizon_s)
+    full = attainment(rec, SLO, start)
+    assert 0.0 < full < 1.0  # each case has requests that miss and requests that meet
+    assert _met_alone(perf, engine, SLO, arrivals, prompts, outputs, horizon_s, start) == full
