@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class EngineReport:
+class EngineReport(NamedTuple):
     """The engine's own count of running and waiting requests, its KV cache use and
     how many requests it has preempted since it started, as of ``at`` (-1 each:
-    not reported, or withdrawn as stale). Swapped whole."""
+    not reported, or withdrawn as stale). Swapped whole (a named tuple: one is
+    made per node per scrape, and a frozen dataclass cost a microsecond more)."""
 
     running: int = -1
     waiting: int = -1
