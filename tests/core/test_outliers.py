@@ -782,3 +782,36 @@ def test_an_engine_that_counts_its_preemptions_says_when_it_is_short_of_kv() -> 
     # A report withdrawn as stale: the gateway's count again.
     node.report_engine(EngineReport(at=rig.now + 2.0))
     assert node.note_kv(rig.now + 2.0, 200.0, kv, 1.0)
+
+
+def test_a_class_of_one_counts_its_pieces_whole_ratio_at_their_shares_weight() -> None:
+    """A node alone in its class is judged against its own history only, and its
+    decode pieces are mostly prompt chunks where prompts are long (a share of
+    0.3-0.45 on the Azure code shape). Weighting the log-ratio by the share read
+    a half-speed throttle there as 1.27x, under the flag, while the history rose
+    with it each clean interval (a lone H100 caught 19 s after the fault, 42 s on
+    another draw). A lone node's window counts the whole ratio, with the share as
+    the weight of its evidence: a throttle slows every part of a piece and is
+    caught; a large ratio in a piece that is nearly all prompt chunks (a duty the
+    model mispriced) moves the evidence little."""
+    def run(ratio: float, share: float, seconds: int) -> list[tuple[float, str, str]]:
+        rig = Rig(["H100", "A100", "A100"])
+        lone = rig.nodes["H100-SXM#0"]
+
+        def second(r: float, s: float) -> None:
+            for _ in range(10):
+                rig.det.on_decode(lone, 0.02 * r, 0.02, 8, rig.now, rig.now - 0.5, s)
+                rig.now += 0.1
+            rig.tick()
+
+        for _ in range(30):
+            second(1.0, 0.35)
+        t0 = rig.now
+        for _ in range(seconds):
+            second(ratio, share)
+        return [(t - t0, n, s) for t, n, s in rig.events]
+
+    caught = run(2.0, 0.35, 20)
+    assert [(n, s) for _, n, s in caught] == [("H100-SXM#0", "degraded")]
+    assert caught[0][0] <= 12.0
+    assert run(1.6, 0.1, 60) == []

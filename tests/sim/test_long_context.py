@@ -153,3 +153,19 @@ def test_a_throttle_in_a_class_of_two_is_not_excused_by_its_own_prefill(
     Priced at its peer's speed once its TTFT reads slow: 10 s."""
     rep = azure_code_throttle(tmp_path, 7)
     assert rep["time_to_detect"][0]["detected_s"] <= 15.0, rep["time_to_detect"]
+
+
+def test_a_throttle_alone_in_its_class_is_caught_on_the_code_trace(tmp_path: Path) -> None:
+    """Azure's code trace shape (draw 7) on one H100 beside three L40S and three A10G,
+    the H100 at half speed from 200 s. Alone in its class, it is judged against its
+    own history, and its pieces are mostly prompt chunks: counted in proportion to
+    their decode share, they read the throttle as about 1.3x and it was caught
+    after 84 s (draws 4-7 at 24 and 30 req/s: 2-84 s; with the whole ratio and the
+    share as the evidence's weight, 2-10 s)."""
+    res, _ = replay(tmp_path, "azure-code", 18_000.0, 7,
+                    [("H100-SXM", 1), ("L40S", 3), ("A10G", 3)], {"rate": 24.0},
+                    [{"node": "H100-SXM#0", "kind": "throttle", "factor": 0.5, "at_s": 200.0,
+                      "duration_s": 200.0}])
+    rep = res["outliers"]
+    assert rep["false_detections"] == 0
+    assert rep["time_to_detect"][0]["detected_s"] <= 15.0

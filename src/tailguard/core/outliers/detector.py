@@ -289,14 +289,22 @@ class OutlierDetector(SampleIntake):
         clean = node.state is NodeState.HEALTHY and (v is None or not v.flagged)
         half = 0.5 * cfg.evidence
         h.prefill.close(decay, clean and h.prefill.cusum < half)
-        if clean and h.decode.cusum < half:
+        # A node alone in its class has no reference but its own clean past: that
+        # rises only with no excess under way at all. Let rise while its evidence
+        # was under half the flag, a half-speed throttle's history and prefill
+        # speed followed it up 1.1x an interval each, and the evidence never
+        # reached the flag (a lone H100 under the Azure code shape).
+        peers = self._classes.get(node.spec.gpu_class)
+        steady = h.decode.run == 0 if peers is not None and len(peers) == 1 \
+            else h.decode.cusum < half
+        if clean and steady:
             # Followed down at once, up by at most CLEAN_RISE an interval: a
             # throttle's first samples are pooled into a decode window that has
             # not yet flushed when the interval closes, so "clean" may already
             # hold its first seconds, and the prefill speed learns them faster.
             pslow, last = node.class_prefill_slowdown, h.clean_prefill
             h.clean_prefill = pslow if last <= 0.0 else min(pslow, last * CLEAN_RISE)
-        h.decode.close(decay, clean and h.decode.cusum < half)
+        h.decode.close(decay, clean and steady)
         h.requests = h.failures = 0
 
     def _judge(self, node: Node, h: NodeHealth, v: Verdict, now: float, pools: list[PoolView],

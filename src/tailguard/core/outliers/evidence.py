@@ -43,6 +43,12 @@ HISTORY_RISE = math.log(CLEAN_RISE)
 _STEP_CAP = 3.0  # at most this much evidence (in sigmas) per sample: h needs two or more
 TOKEN_BUCKETS = 25  # prefill buckets per batch bucket (prefill_bucket's range)
 QUEUED = 16 * TOKEN_BUCKETS  # added when the request waited for an engine slot
+# Added to a lone node's decode bucket where its window was mostly decode (the
+# steps alone half its time or more): its own history is kept apart for pieces
+# mostly decode and pieces mostly prompt chunks, whose whole ratios part by how
+# the model prices the chunks (overloaded, a lone H100 read -0.3 to -0.6 in log
+# with a share of 0.31-0.44 and +0.1 to +0.3 with 0.55-0.87, second by second).
+MOSTLY_DECODE = 64
 
 
 def prefill_bucket(tokens: int) -> int:
@@ -119,10 +125,11 @@ class Evidence:
             lv[3] = float(window)
 
     def add(self, r: float, n: int, allowance: float, cap: float, floor: float,
-            now: float | None, since: float | None = None) -> None:
+            now: float | None, since: float | None = None, weight: float = 1.0) -> None:
         """``n`` residuals of mean ``r`` (one sample, or a peer replica's batch), seen at
         ``now`` (None: not known, for a peer's batch and for TTFT), measured over
-        work begun at ``since`` (None: not known)."""
+        work begun at ``since`` (None: not known), each carrying ``weight`` of a
+        sample's evidence (its recent slowness and CUSUM move that much)."""
         sigma = math.sqrt(self.var)
         if sigma < floor:
             sigma = floor
@@ -134,11 +141,11 @@ class Evidence:
                 # winsorised at 2 sigma: the first samples of a fault must not pass for noise
                 dd = d * d if d * d < 4.0 * self.var else 4.0 * self.var
                 self.var += _VAR_ALPHA * (dd - self.var)
-            self.ew += (1.0 - (1.0 - _EW_ALPHA) ** n) * d
+            self.ew += (1.0 - (1.0 - _EW_ALPHA) ** (n * weight)) * d
         step = (r - allowance) / sigma
         if step > _STEP_CAP:  # one wild sample (a GC pause, a cold cache) is not evidence
             step = _STEP_CAP
-        cusum = self.cusum + n * step
+        cusum = self.cusum + n * weight * step
         if cusum <= 0.0:
             self.cusum = 0.0
             self.run = 0

@@ -10,6 +10,7 @@ from tailguard.core.fleet import Node, NodeState, Outcome
 from tailguard.core.outliers.config import OutlierConfig
 from tailguard.core.outliers.evidence import (
     FRESH,
+    MOSTLY_DECODE,
     QUEUED,
     REF_REUSE,
     TOKEN_BUCKETS,
@@ -117,7 +118,12 @@ class SampleIntake:
         duty)``, where a tenth's error in the duty the model puts on the
         window is a 2x error in the expected time (a healthy A100 computing a
         31k-token prompt read 1.6x slow). A slow node is slow between prompts
-        too, where its samples count whole.
+        too, where its samples count whole. A node alone in its class (no peers,
+        only its own history) counts a window's whole ratio instead, and the
+        share weighs the evidence it carries (:meth:`_flush_decode`): the
+        proportion read a half-speed throttle of a lone H100 whose pieces were
+        55-70% prompt chunks as 1.3x, under the flag; weighing the evidence, a
+        large ratio in a piece of mostly mispriced chunks still moves it little.
 
         Where decode is judged in pieces (``segment_s``), the samples one node
         gives in one bucket within a window of ``segment_s`` are one sample,
@@ -151,22 +157,24 @@ class SampleIntake:
             self.kv_short_samples += 1
             return
         b = decode_bucket(batch)
-        if share < 1.0:  # the log-ratio in proportion: observed as expected x ratio^share
-            tpot = expected * (tpot / expected) ** share
         if now is None or self.config.segment_s <= 0.0:
+            if share < 1.0:  # the log-ratio in proportion: observed as expected x ratio^share
+                tpot = expected * (tpot / expected) ** share
             self._sample(node, h, h.decode, 1, b, tpot, expected, now, since)
             return
-        x = math.log(tpot / expected)
+        raw = math.log(tpot / expected)
         acc = h.pending.get(b)
         if acc is None:
-            h.pending[b] = [x, 1.0, now, now if since is None else since]
+            h.pending[b] = [raw * share, 1.0, now, now if since is None else since, raw, share]
         else:
-            acc[0] += x
+            acc[0] += raw * share
             acc[1] += 1.0
             if now > acc[2]:
                 acc[2] = now
             if since is not None and since < acc[3]:
                 acc[3] = since
+            acc[4] += raw
+            acc[5] += share
 
     def _flush_decode(self, nodes: Mapping[str, Node], now: float) -> None:
         """Close the decode window (see :meth:`on_decode`) once ``segment_s`` old: every
@@ -177,28 +185,35 @@ class SampleIntake:
         self._window_t = now
         self._windows += 1
         window = self._windows
-        closed: list[tuple[Node, Evidence, int, float, float, float]] = []
+        closed: list[tuple[Node, Evidence, int, float, float, float, float]] = []
         for node in nodes.values():
             h = self.health.get(node.id)
             if h is None or not h.pending:
                 continue
             pending, h.pending = h.pending, {}
-            for b, (total, n, seen, since) in sorted(pending.items()):
-                x = clamp(total / n)
+            peers = self._classes.get(node.spec.gpu_class)
+            alone = peers is not None and len(peers) == 1
+            for b, (total, n, seen, since, raw, shares) in sorted(pending.items()):
+                if alone:  # its own history in the unweighted ratio (see on_decode)
+                    x, weight = clamp(raw / n), shares / n
+                    if weight >= 0.5:
+                        b += MOSTLY_DECODE
+                else:
+                    x, weight = clamp(total / n), 1.0
                 h.decode.learn(b, x, self._interval, n, window)
-                closed.append((node, h.decode, b, x, seen, since))
+                closed.append((node, h.decode, b, x, seen, since, weight))
         # Each class's peer levels of these moments, by bucket: read once a window
         # (a class of 24 read each other's 24 levels, twice a second live).
         moments: dict[tuple[str, int], list[tuple[float, Node]]] = {}
         older: dict[tuple[str, int], list[tuple[float, Node]]] = {}
-        for node, ev, b, x, seen, since in closed:
+        for node, ev, b, x, seen, since, weight in closed:
             key = (node.spec.gpu_class, b)
             levels = moments.get(key)
             if levels is None:
                 levels = moments[key] = self._peer_levels(key[0], b, window)
             ref = self._window_reference(node, ev, b, levels, older)
             if ref is not None:
-                self._residual(ev, x - ref, seen, since)
+                self._residual(ev, x - ref, seen, since, weight)
 
     def _peer_levels(self, gpu_class: str, b: int, window: int) -> list[tuple[float, Node]]:
         """The levels in decode bucket ``b`` of the class's healthy, clean nodes, sorted:
@@ -282,10 +297,12 @@ class SampleIntake:
             ref = found
         self._residual(ev, x - ref, now, since)
 
-    def _residual(self, ev: Evidence, r: float, now: float | None, since: float | None) -> None:
-        """A sample's excess over its reference, as evidence."""
+    def _residual(self, ev: Evidence, r: float, now: float | None, since: float | None,
+                  weight: float = 1.0) -> None:
+        """A sample's excess over its reference, as evidence (``weight``: how much of
+        a sample's evidence it carries)."""
         ev.add(r, 1, self._allowance, 2.0 * self.config.evidence, self.config.sigma_floor, now,
-               since)
+               since, weight)
         ev.own_n += 1
         ev.own_total += r
 
