@@ -149,7 +149,7 @@ def _met_alone(perf: PerfModel, config: EngineConfig, slo: Slo, arrivals: Sequen
 
     A lone node behind the gateway gets every request the moment it arrives and
     the gateway changes none of its timings (nothing to route, retry or move to),
-    so a probe of one node drives its engine model alone: a third of the
+    so a probe of one node drives its engine model alone: a fifth of the
     simulator's cost per request. ``tests/sim/test_capacity.py`` holds it to the
     full simulator's answer."""
     eng = Engine(perf, config)

@@ -294,9 +294,7 @@ class OutlierDetector(SampleIntake):
         # was under half the flag, a half-speed throttle's history and prefill
         # speed followed it up 1.1x an interval each, and the evidence never
         # reached the flag (a lone H100 under the Azure code shape).
-        peers = self._classes.get(node.spec.gpu_class)
-        steady = h.decode.run == 0 if peers is not None and len(peers) == 1 \
-            else h.decode.cusum < half
+        steady = h.decode.run == 0 if self.alone(node) else h.decode.cusum < half
         if clean and steady:
             # Followed down at once, up by at most CLEAN_RISE an interval: a
             # throttle's first samples are pooled into a decode window that has

@@ -238,9 +238,11 @@ class NodeHealth:
         self.probation_since = 0.0
         self.last_progress = now
         # Decode samples of the detector's open window, by bucket (on_decode):
-        # [sum of log(observed / expected), count, last seen, earliest since]: the
-        # window's excess outlived the run's first window when all the work it
-        # timed began after that one closed (Evidence.run_spread).
+        # [sum of share x log(observed / expected), count, last seen, earliest
+        # since, sum of log(observed / expected), sum of shares]: the window's
+        # excess outlived the run's first window when all the work it timed began
+        # after that one closed (Evidence.run_spread); the last two are for a node
+        # alone in its class (SampleIntake._flush_decode).
         self.pending: dict[int, list[float]] = {}
         self.busy_since = -1.0
         # Its class's learned prefill slowdown when its decode evidence was last

@@ -80,6 +80,12 @@ class SampleIntake:
         self._classes = classes
         self._classes_for = len(nodes)
 
+    def alone(self, node: Node) -> bool:
+        """Whether ``node`` is the only one of its GPU class: its own history is then
+        its only reference."""
+        peers = self._classes.get(node.spec.gpu_class)
+        return peers is not None and len(peers) == 1
+
     # Records are created by tick (every node, every tick): the request path
     # only looks them up, and drops the samples of a node not yet ticked.
 
@@ -191,8 +197,7 @@ class SampleIntake:
             if h is None or not h.pending:
                 continue
             pending, h.pending = h.pending, {}
-            peers = self._classes.get(node.spec.gpu_class)
-            alone = peers is not None and len(peers) == 1
+            alone = self.alone(node)
             for b, (total, n, seen, since, raw, shares) in sorted(pending.items()):
                 if alone:  # its own history in the unweighted ratio (see on_decode)
                     x, weight = clamp(raw / n), shares / n
@@ -237,9 +242,8 @@ class SampleIntake:
         1.45x, not 2x). Not its peers' always: under a long-prompt overload the
         nodes' learned prefill speeds part by the load's doing, and priced at
         the others' a node's decode read slow more often."""
-        peers = self._classes.get(node.spec.gpu_class)
         h = self.health.get(node.id)
-        if peers is None or len(peers) > 1:
+        if not self.alone(node):
             if h is not None and h.prefill.cusum >= self.config.evidence:
                 return node.peers_prefill_slowdown
             return node.class_prefill_slowdown
