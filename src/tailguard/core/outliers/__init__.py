@@ -49,7 +49,11 @@ with the reference
   clean interval (:meth:`SampleIntake.judged_prefill_slowdown`), since its
   class's learned speed is its own and would learn a throttle too; a node in
   a larger class whose TTFT already reads slow prices them at its peers'
-  prefill speed, not at the class's mean with its own;
+  prefill speed, not at the class's mean with its own. A class of one's
+  window counts its whole ratio, its decode share weighing the evidence,
+  with windows mostly decode kept apart (``MOSTLY_DECODE``), and its history
+  and clean prefill speed rise only with no excess under way at all
+  (:meth:`SampleIntake.on_decode`, :meth:`OutlierDetector._close_interval`);
 * else nothing: the sample only teaches the node's own level.
 
 Evidence, not a fixed sample count

