@@ -9,7 +9,7 @@ class EngineReport(NamedTuple):
     """The engine's own count of running and waiting requests, its KV cache use and
     how many requests it has preempted since it started, as of ``at`` (-1 each:
     not reported, or withdrawn as stale). Swapped whole (a named tuple: one is
-    made per node per scrape, 0.24 us against a frozen dataclass's 0.59 us)."""
+    made per node per scrape, and it is the cheapest immutable record)."""
 
     running: int = -1
     waiting: int = -1

@@ -29,8 +29,8 @@ class Slo:
 
 
 class RequestInfo(NamedTuple):
-    """What the core knows about a request when it routes it (a named tuple: made
-    for every routing decision, 0.3 us against a frozen dataclass's 1.3 us).
+    """What the core knows about a request when it routes it (a named tuple: one is
+    made for every routing decision, and it is the cheapest immutable record).
 
     ``expected_output`` and ``mean_prompt`` come from the pool's running
     statistics (the gateway does not know how long an answer will be);
