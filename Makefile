@@ -6,15 +6,32 @@ STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
 
 # The demo needs only the package; the tests need the dev extras too (a superset).
-$(CORE_STAMP): pyproject.toml
+$(CORE_STAMP): pyproject.toml setup.py
 	@PY=$(PY) scripts/install.sh $(VENV) .
-	@touch $(CORE_STAMP)
+	@touch $(CORE_STAMP) $(COMPILED_STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@PY=$(PY) scripts/install.sh $(VENV) '.[dev]'
-	@touch $(STAMP) $(CORE_STAMP)
+	@touch $(STAMP) $(CORE_STAMP) $(COMPILED_STAMP)
 
-install: $(STAMP) sysdeps
+install: $(STAMP) sysdeps compile
+
+# The modules mypyc compiles (src/tailguard/_compiled.py), rebuilt in place when one
+# changes: Python imports a compiled module before its source, and tailguard refuses
+# to start from a checkout whose compiled modules are older than their sources.
+COMPILED_STAMP := $(VENV)/.compiled
+COMPILED_SRC := src/tailguard/_compiled.py $(wildcard src/tailguard/engine/*.py) \
+	src/tailguard/core/estimate.py src/tailguard/core/predict.py
+$(COMPILED_STAMP): setup.py $(COMPILED_SRC) | $(CORE_STAMP)
+	@echo "compiling the simulator's hot paths (mypyc)"
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $(COMPILED_STAMP)
+
+compile: $(COMPILED_STAMP)
+
+# Every module from its source (a later `make compile` builds them again).
+pure:
+	rm -f src/*__mypyc*.so $(foreach m,$(COMPILED_SRC),$(m:.py=).*.so) $(COMPILED_STAMP)
 
 # Debian packages the Prometheus, headless-browser, shared-state (Redis) and manifest
 # (kubectl) tests run: installed when a binary is missing and root can apt-get;
@@ -38,7 +55,7 @@ sysdeps:
 engines: $(STAMP)
 	PY=$(BIN)/python scripts/real_engines.sh >/dev/null
 
-demo: $(CORE_STAMP)
+demo: $(CORE_STAMP) compile
 	@$(BIN)/tailguard demo
 
 lint: $(STAMP)
@@ -58,11 +75,11 @@ unit: $(STAMP)
 # Two workers for the bulk of the suite (most of its time is live tests waiting on
 # sockets and clocks), then the tests marked solo alone: their bars are wall-clock
 # times and live comparisons that a second worker's load would move.
-test: sysdeps engines lint typecheck
+test: sysdeps engines lint typecheck compile
 	REQUIRE_REAL_ENGINES=1 $(BIN)/pytest -n 2 -m "not solo"
 	REQUIRE_REAL_ENGINES=1 $(BIN)/pytest -m solo
 
-bench: $(STAMP)
+bench: $(STAMP) compile
 	$(BIN)/python benchmarks/sim_speed.py
 
 # The pictures in README.md and docs/: the live dashboard (headless Chromium) and a sweep.

@@ -46,8 +46,9 @@ from __future__ import annotations
 import math
 
 from tailguard.core.hardware import PerfModel
+from tailguard.engine.config import EngineConfig
 from tailguard.engine.request import DECODE, GONE, PREFILL, WAITING, Request, blocks_for
-from tailguard.engine.scheduler import FAILED, FINISH, FIRST_TOKEN, EngineConfig, Event, Scheduler
+from tailguard.engine.scheduler import FAILED, FINISH, FIRST_TOKEN, Event, Scheduler
 from tailguard.engine.segment import Segment
 from tailguard.errors import ConfigError
 

@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 
 from tailguard.core.hardware import PerfModel
+from tailguard.engine.config import EngineConfig
 from tailguard.engine.decode_batch import DecodeBatch
 from tailguard.engine.prefix_cache import PrefixCache
 from tailguard.engine.request import DECODE, GONE, PREFILL, WAITING, Request, blocks_for
 from tailguard.engine.segment import Segment
-from tailguard.errors import ConfigError
 
 FIRST_TOKEN = 0
 FINISH = 1
@@ -52,42 +51,6 @@ FAILED = 2
 
 Event = tuple[float, int, int]
 """``(time, kind, req_id)`` with ``kind`` one of FIRST_TOKEN, FINISH, FAILED."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Scheduler settings, named after vLLM's engine arguments.
-
-    ``kv_capacity_tokens`` None takes the capacity from the performance model.
-    With ``enable_chunked_prefill`` False a prompt is prefilled whole in one
-    step; the first prompt of a step may exceed the token budget (the budget
-    is raised to fit it), later ones must fit in what is left.
-    """
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    kv_capacity_tokens: int | None = None
-    block_size: int = 16
-    # vLLM V1's automatic prefix caching is on by default (engine/prefix_cache.py).
-    enable_prefix_caching: bool = True
-    # vLLM's ``--long-prefill-token-threshold``: with chunked prefill, a prompt
-    # computes at most this many tokens a step, leaving the rest of the budget to
-    # the prompts behind it (0: no cap, the whole budget in admission order).
-    long_prefill_token_threshold: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError("max_num_seqs", "must be >= 1")
-        if self.block_size < 1:
-            raise ConfigError("block_size", "must be >= 1")
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold", "must be >= 0 (0: no cap)")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # vLLM refuses this too: every running sequence needs a decode token.
-            raise ConfigError("max_num_batched_tokens", "must be >= max_num_seqs")
-        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
-            raise ConfigError("kv_capacity_tokens", "must hold at least one block")
 
 
 _NO_CHUNKS: list[tuple[Request, int]] = []  # never appended to

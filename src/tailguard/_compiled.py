@@ -1,0 +1,61 @@
+"""The modules ``setup.py`` compiles with mypyc, and the check that a source
+checkout's compiled modules are not older than their sources.
+
+Python imports a compiled module in preference to its source, so in a checkout
+(an editable install) an edit to one of these files would otherwise be ignored
+without a word until the extensions are rebuilt (``make compile``). An
+installed package is built whole and is not checked. This module imports
+nothing of tailguard: ``setup.py`` reads ``MODULES`` from it before the package
+can be imported.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+from pathlib import Path
+
+# Pure computation on typed values, run at every simulated engine step and every
+# routing decision; nothing monkeypatches them, subclasses them from interpreted
+# code or reads their classes' fields to build a configuration format.
+MODULES = (
+    "tailguard.core.estimate",
+    "tailguard.core.predict",
+    "tailguard.engine.decode_batch",
+    "tailguard.engine.model",
+    "tailguard.engine.prefix_cache",
+    "tailguard.engine.request",
+    "tailguard.engine.scheduler",
+    "tailguard.engine.segment",
+)
+
+
+def stale(root: Path) -> list[str]:
+    """The compiled modules under ``root`` (the directory that holds the tailguard
+    package) whose source was changed after they were built."""
+    out = []
+    for name in MODULES:
+        base = root.joinpath(*name.split("."))
+        source = base.with_suffix(".py")
+        if not source.exists():
+            continue
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            built = base.with_name(base.name + suffix)
+            if built.exists() and source.stat().st_mtime > built.stat().st_mtime:
+                out.append(str(source.relative_to(root)))
+    return out
+
+
+def check() -> None:
+    """Refuse to run a checkout whose compiled modules are older than their sources."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root.parent / "pyproject.toml").exists():  # an installed package
+        return
+    old = stale(root)
+    if old:
+        raise ImportError(
+            f"tailguard: the compiled modules of {', '.join(old)} are older than their "
+            "sources, which Python would ignore: run `make compile` (or `make pure` to "
+            "run every module from its source)")
+
+
+__all__ = ["MODULES", "check", "stale"]
