@@ -16,7 +16,10 @@ printed too). It asserts nothing.
 
 The pinned tree (``PINNED``) is the last one whose speed was recorded as a
 reference (`benchmarks/README.md`, "sim_drift.py"). Needs git and the
-repository's history.
+repository's history. The working tree runs as installed, its hot paths
+compiled (``make compile``); a worktree has no extensions, so the base always
+runs from source: ``--base HEAD`` then times compiled against source on the
+same code, and its digests say whether the two agree.
 """
 
 from __future__ import annotations
