@@ -24,6 +24,7 @@ COMPILED_SRC := src/tailguard/_compiled.py $(wildcard src/tailguard/engine/*.py)
 	src/tailguard/core/estimate.py src/tailguard/core/predict.py
 $(COMPILED_STAMP): setup.py $(COMPILED_SRC) | $(CORE_STAMP)
 	@echo "compiling the simulator's hot paths (mypyc)"
+	@find src -name '*.so' -delete
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $(COMPILED_STAMP)
 
@@ -31,7 +32,8 @@ compile: $(COMPILED_STAMP)
 
 # Every module from its source (a later `make compile` builds them again).
 pure:
-	rm -f src/*__mypyc*.so $(foreach m,$(COMPILED_SRC),$(m:.py=).*.so) $(COMPILED_STAMP)
+	find src -name '*.so' -delete
+	rm -f $(COMPILED_STAMP)
 
 # Debian packages the Prometheus, headless-browser, shared-state (Redis) and manifest
 # (kubectl) tests run: installed when a binary is missing and root can apt-get;

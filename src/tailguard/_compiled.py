@@ -31,18 +31,17 @@ MODULES = (
 
 def stale(root: Path) -> list[str]:
     """The compiled modules under ``root`` (the directory that holds the tailguard
-    package) whose source was changed after they were built."""
+    package) whose source was changed after they were built, or that are no
+    longer among ``MODULES`` (left by an earlier build)."""
+    compiled = {root.joinpath(*name.split(".")).with_suffix(".py") for name in MODULES}
     out = []
-    for name in MODULES:
-        base = root.joinpath(*name.split("."))
-        source = base.with_suffix(".py")
-        if not source.exists():
-            continue
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            built = base.with_name(base.name + suffix)
-            if built.exists() and source.stat().st_mtime > built.stat().st_mtime:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for built in (root / "tailguard").rglob("*" + suffix):
+            source = built.with_name(built.name[: -len(suffix)] + ".py")
+            if source.exists() and (source not in compiled
+                                    or source.stat().st_mtime > built.stat().st_mtime):
                 out.append(str(source.relative_to(root)))
-    return out
+    return sorted(out)
 
 
 def check() -> None:
