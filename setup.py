@@ -54,7 +54,11 @@ def ext_modules() -> list[object]:
     except ImportError:
         print("tailguard: mypyc not available; installing pure Python", file=sys.stderr)
         return []
-    return list(mypycify(COMPILED, opt_level="3"))
+    try:
+        return list(mypycify(COMPILED, opt_level="3"))
+    except (Exception, SystemExit) as exc:  # mypyc refused the code (its type check)
+        print(f"tailguard: mypyc failed ({exc}); installing pure Python", file=sys.stderr)
+        return []
 
 
 setup(ext_modules=ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -63,6 +63,13 @@ def main() -> None:
           f"simulation: {t3 - t2:.2f} s   ({len(reqs) / (t3 - t2):,.0f} requests/s)")
     print(f"total: {t3 - t0:.2f} s   SLO attainment {res['slo_attainment']:.4f}, "
           f"TTFT p99 {res['ttft_s']['p99']:.3f} s")
+    try:  # (an older tree, run for comparison, may have no compiled modules at all)
+        from tailguard import _compiled
+        compiled = _compiled.loaded()
+    except (ImportError, AttributeError):
+        return
+    print(f"hot paths compiled: {len(compiled)} of {len(_compiled.MODULES)} modules"
+          + ("" if compiled else " (make compile)"))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,15 @@ def stale(root: Path) -> list[str]:
     return sorted(out)
 
 
+def loaded() -> list[str]:
+    """Which of ``MODULES`` this process runs compiled (imports them): what a
+    benchmark says beside its times."""
+    import importlib
+
+    return [name for name in MODULES
+            if not str(getattr(importlib.import_module(name), "__file__", "")).endswith(".py")]
+
+
 def check() -> None:
     """Refuse to run a checkout whose compiled modules are older than their sources."""
     root = Path(__file__).resolve().parent.parent
@@ -57,4 +66,4 @@ def check() -> None:
             "run every module from its source)")
 
 
-__all__ = ["MODULES", "check", "stale"]
+__all__ = ["MODULES", "check", "loaded", "stale"]
