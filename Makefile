@@ -20,8 +20,7 @@ install: $(STAMP) sysdeps compile
 # changes: Python imports a compiled module before its source, and tailguard refuses
 # to start from a checkout whose compiled modules are older than their sources.
 COMPILED_STAMP := $(VENV)/.compiled
-COMPILED_SRC := src/tailguard/_compiled.py $(wildcard src/tailguard/engine/*.py) \
-	src/tailguard/core/estimate.py src/tailguard/core/predict.py
+COMPILED_SRC := src/tailguard/_compiled.py $(wildcard src/tailguard/engine/*.py)
 $(COMPILED_STAMP): setup.py $(COMPILED_SRC) | $(CORE_STAMP)
 	@echo "compiling the simulator's hot paths (mypyc)"
 	@find src -name '*.so' -delete

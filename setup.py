@@ -1,9 +1,8 @@
-"""Builds tailguard, with the simulator's hot paths compiled by mypyc.
+"""Builds tailguard, with the simulator's engine model compiled by mypyc.
 
-The engine model and the core's latency formulas (``COMPILED``) run at every
-simulated engine step and every routing decision. mypyc compiles these typed
-modules, unchanged, to C extensions: the simulator then takes about three
-quarters of the time, with the same results to the last bit
+The engine model (``COMPILED``) runs at every simulated engine step. mypyc
+compiles its typed modules, unchanged, to C extensions: the simulator then
+takes about four fifths of the time, with the same results to the last bit
 (benchmarks/README.md, "Compiled hot paths"). Everything else stays plain
 Python, and so can these: without mypyc or a C compiler, or with
 ``TAILGUARD_PURE=1`` in the environment, the package installs uncompiled and

@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib.machinery
 from pathlib import Path
 
-# Pure computation on typed values, run at every simulated engine step and every
-# routing decision; nothing monkeypatches them, subclasses them from interpreted
-# code or reads their classes' fields to build a configuration format.
+# The engine model: pure computation on typed values, run at every simulated
+# engine step; nothing monkeypatches it, subclasses its classes from interpreted
+# code or reads their fields to build a configuration format. The core's
+# latency formulas and estimators (core/predict.py, core/estimate.py) compile
+# too and give the same numbers, but the live gateway runs them, and with them
+# compiled the real-llama.cpp test missed its throttle in 3 of 13 runs (0 of 8
+# from source; benchmarks/README.md): kept out until that is understood.
 MODULES = (
-    "tailguard.core.estimate",
-    "tailguard.core.predict",
     "tailguard.engine.decode_batch",
     "tailguard.engine.model",
     "tailguard.engine.prefix_cache",
