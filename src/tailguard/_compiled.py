@@ -19,8 +19,8 @@ from pathlib import Path
 # code or reads their fields to build a configuration format. The core's
 # latency formulas and estimators (core/predict.py, core/estimate.py) compile
 # too and give the same numbers, but the live gateway runs them, and with them
-# compiled the real-llama.cpp test missed its throttle in 3 of 13 runs (0 of 8
-# from source; benchmarks/README.md): kept out until that is understood.
+# compiled the real-llama.cpp test missed its throttle more often
+# (benchmarks/README.md, "Compiled hot paths"): kept out until that is understood.
 MODULES = (
     "tailguard.engine.decode_batch",
     "tailguard.engine.model",
