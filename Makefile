@@ -20,9 +20,9 @@ install: $(STAMP) sysdeps compile
 # changes: Python imports a compiled module before its source, and tailguard refuses
 # to start from a checkout whose compiled modules are older than their sources.
 COMPILED_STAMP := $(VENV)/.compiled
-COMPILED_SRC := src/tailguard/_compiled.py $(wildcard src/tailguard/engine/*.py)
+COMPILED_SRC := src/tailguard/_compiled.py $(shell $(PY) -c 'import runpy; print(*("src/" + m.replace(".", "/") + ".py" for m in runpy.run_path("src/tailguard/_compiled.py")["MODULES"]))')
 $(COMPILED_STAMP): setup.py $(COMPILED_SRC) | $(CORE_STAMP)
-	@echo "compiling the simulator's hot paths (mypyc)"
+	@echo "compiling the hot paths (mypyc)"
 	@find src -name '*.so' -delete
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $(COMPILED_STAMP)

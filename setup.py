@@ -1,9 +1,10 @@
-"""Builds tailguard, with the simulator's engine model compiled by mypyc.
+"""Builds tailguard, with its hot paths compiled by mypyc.
 
-The engine model (``COMPILED``) runs at every simulated engine step. mypyc
-compiles its typed modules, unchanged, to C extensions: the simulator then
-takes about four fifths of the time, with the same results to the last bit
-(benchmarks/README.md, "Compiled hot paths"). Everything else stays plain
+The engine model and the core's modules that run at every routing decision and
+answer (``COMPILED``, listed with why in ``src/tailguard/_compiled.py``): mypyc
+compiles these typed modules, unchanged, to C extensions, and the simulator
+then runs faster with the same results to the last bit (benchmarks/README.md,
+"Compiled hot paths"). Everything else stays plain
 Python, and so can these: without mypyc or a C compiler, or with
 ``TAILGUARD_PURE=1`` in the environment, the package installs uncompiled and
 behaves the same.

@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any
 
-from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.sim.capacity import fleet_capacity
 from tailguard.sim.fleet_bound import fleet_bound
 from tailguard.sim.run import find_goodput, simulate

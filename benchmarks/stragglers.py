@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from tailguard.core.hardware import DEFAULT_CATALOG
-from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.sim.cluster import RunRecord
 from tailguard.sim.run import simulate
 from tailguard.sim.scenario import PolicyChoice, parse_scenario

@@ -14,13 +14,16 @@ from __future__ import annotations
 import importlib.machinery
 from pathlib import Path
 
-# The engine model: pure computation on typed values, run at every simulated
-# engine step; nothing monkeypatches it, subclasses its classes from interpreted
-# code or reads their fields to build a configuration format. The core's
-# latency formulas and estimators (core/predict.py, core/estimate.py) compile
-# too and give the same numbers, but the live gateway runs them, and with them
-# compiled the real-llama.cpp test missed its throttle more often
-# (benchmarks/README.md, "Compiled hot paths"): kept out until that is understood.
+# The engine model, and what the core runs at every routing decision and answer
+# (the latency formulas and estimators, the learner, the default policy) and the
+# simulator at every stream report: pure computation on typed values. Nothing
+# monkeypatches them or subclasses their classes from interpreted code; a class
+# attribute that must stay one is declared ClassVar; no configuration format
+# reads their classes' fields (a compiled dataclass hides them: hence
+# engine/config.py and core/policies/tailguard_options.py). Not compiled: the
+# node's parts (mixins over one slotted object, which mypyc does not build),
+# the detector (tests spy on it), and the pools' dataclasses (recordings replay
+# them from JSON lists where tuples are declared, which a compiled class refuses).
 MODULES = (
     "tailguard.engine.decode_batch",
     "tailguard.engine.model",
@@ -28,6 +31,11 @@ MODULES = (
     "tailguard.engine.request",
     "tailguard.engine.scheduler",
     "tailguard.engine.segment",
+    "tailguard.core.predict",
+    "tailguard.core.estimate",
+    "tailguard.core.policies.tailguard",
+    "tailguard.core.learner",
+    "tailguard.sim.streams",
 )
 
 

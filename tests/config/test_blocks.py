@@ -79,7 +79,7 @@ def test_policy_options_become_the_policys_dataclass() -> None:
     from tailguard.config.options import POLICY_OPTIONS, parse_policy_options
     from tailguard.core.policies import REGISTRY, options_type
     from tailguard.core.policies.pairs import DynamoOptions
-    from tailguard.core.policies.tailguard import TailguardOptions
+    from tailguard.core.policies.tailguard_options import TailguardOptions
     from tailguard.sim.scenario import parse_policies
 
     # Every policy with options has a block, and every block belongs to its policy.

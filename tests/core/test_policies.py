@@ -13,7 +13,7 @@ from tailguard.core.fleet import OWED_S, TRANSITIONS, Actor, NodeSpec, NodeState
 from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.policies import Slo, make_policy, policy_names
 from tailguard.core.policies.base import RequestInfo
-from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.core.predict import (
     decode_step_s,
     interleaved_tpot,

@@ -14,7 +14,7 @@ from tailguard.core.hardware import DEFAULT_CATALOG
 from tailguard.core.limits import LimitConfig
 from tailguard.core.outliers import OutlierConfig
 from tailguard.core.policies import Slo
-from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.core.replay import replay
 
 MODEL = "llama-3.1-8b"

@@ -15,7 +15,7 @@ prompts they must compute (fresh text each time). Then:
    node's learnt prefill speed within 4x of its peers');
 2. one engine is throttled to about a third of its speed (``throttle``
    below: SIGSTOP for 2/3 of every 0.6 s): it is degraded or quarantined
-   within 20 s, its share of requests falls at least 3x, and once it runs
+   within 30 s, its share of requests falls at least 3x, and once it runs
    freely again it is healthy again; the other two stay healthy throughout
    (idem);
 3. one engine is killed with ``kill -9`` mid-stream: that stream moves to
@@ -270,9 +270,12 @@ async def _body(servers: list[LlamaServer], cpu: CpuWatch) -> None:
         assert max(slow.values()) < 6.0 * min(slow.values()), slow
         # llama.cpp reported every cached count (timings.cache_n): nothing was guessed
         assert all(n.presumed_cache_hits == 0 for n in fleet.balancer.nodes.values())
-        # 2. cpu-1 at a third of its speed: caught within 20 s while the load needs it
+        # 2. cpu-1 at a third of its speed: caught within 30 s while the load needs it
         # (five clients for the other two's four slots), then served at most half
-        # of what each healthy engine serves
+        # of what each healthy engine serves. The router sends it less as soon as its
+        # first answers come slow, so the detector's evidence comes from a few
+        # answers, and when it has enough depends on how many were under way:
+        # the time to catch spreads widely (benchmarks/README.md, "Compiled hot paths").
         stop = asyncio.Event()
         t_throttle = time.monotonic()
         slowing = asyncio.create_task(throttle(servers[1], stop))
@@ -281,7 +284,7 @@ async def _body(servers: list[LlamaServer], cpu: CpuWatch) -> None:
             try:
                 await wait_for(lambda: states(gw)["cpu-1"] in (NodeState.DEGRADED,
                                                                NodeState.QUARANTINED),
-                               timeout=20.0, what="cpu-1 degraded or quarantined")
+                               timeout=30.0, what="cpu-1 degraded or quarantined")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: {evidence(gw, 'cpu-1')} served "
                                      f"{load.shares(t_throttle)}; {cpu_shares(cpu)}") from None

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tailguard.cli import main
-from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.sim import fleet_bound as fleet_bound_module
 from tailguard.sim.fleet_bound import binding_slos, fleet_bound
 from tailguard.sim.run import simulate

@@ -34,7 +34,7 @@ from tailguard.core.policies import options_type
 from tailguard.core.policies.cache_aware import CacheAwareOptions
 from tailguard.core.policies.consistent_hash import ConsistentHashOptions
 from tailguard.core.policies.pairs import DynamoOptions
-from tailguard.core.policies.tailguard import TailguardOptions
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.core.retry_budget import RetryConfig
 
 

@@ -92,13 +92,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from random import Random
+from typing import ClassVar
 
 from tailguard.core.fleet import NodeView
 from tailguard.core.hardware import PerfModel
 from tailguard.core.kv_transfer import LinkMap
 from tailguard.core.policies.base import RequestInfo, Slo
+from tailguard.core.policies.tailguard_options import TailguardOptions
 from tailguard.core.predict import (
     decode_step_s,
     interleaved_tpot,
@@ -121,23 +122,9 @@ _CAP_DUTY = 0.3
 _PAIR_PREFILLS = 3
 
 
-@dataclass(frozen=True, slots=True)
-class TailguardOptions:
-    """``policy_options`` of ``tailguard`` (the file's bounds: ``config/options.py``)."""
-
-    sample: int = 0  # nodes drawn per request (0: all; else at least 2)
-    slo_headroom: float = 0.9  # the share of each SLO a prediction must keep
-    ttft_weight: float | None = None  # a second of TTFT in decode seconds (None: as the SLOs)
-    queue_weight: float = 1.0  # the weight of the wait a request imposes on those behind it
-    # The SLO miss (relative excess) that even the best node is predicted to make,
-    # past which a request goes to the node with the most engine room (the class
-    # docstring's "Overload"); None (the default): never, the least miss wins.
-    spill_excess: float | None = None
-
-
 class TailguardPolicy:
-    name = "tailguard"
-    Options = TailguardOptions
+    name: ClassVar[str] = "tailguard"
+    Options: ClassVar[type[TailguardOptions]] = TailguardOptions
 
     def __init__(self, slo: Slo | None = None, options: TailguardOptions | None = None) -> None:
         opts = options or TailguardOptions()
