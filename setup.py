@@ -4,10 +4,9 @@ The engine model and the core's modules that run at every routing decision and
 answer (``COMPILED``, listed with why in ``src/tailguard/_compiled.py``): mypyc
 compiles these typed modules, unchanged, to C extensions, and the simulator
 then runs faster with the same results to the last bit (benchmarks/README.md,
-"Compiled hot paths"). Everything else stays plain
-Python, and so can these: without mypyc or a C compiler, or with
-``TAILGUARD_PURE=1`` in the environment, the package installs uncompiled and
-behaves the same.
+"Compiled hot paths"). Everything else stays plain Python, and so can these:
+without mypyc or a C compiler, or with ``TAILGUARD_PURE=1`` in the environment,
+the package installs uncompiled and behaves the same.
 
 An editable install builds the extensions beside their sources. Python then
 imports the compiled module, so an edit to one of these files counts only once

@@ -11,13 +11,14 @@ from their prompt cache (one repeated system prompt and question) with
 prompts they must compute (fresh text each time). Then:
 
 1. every engine detected as llama.cpp, no client error, no state change on
-   the healthy engines (but where the host starved one of CPU: below), and the cached prompts taught no fast prefill (each
-   node's learnt prefill speed within 4x of its peers');
+   the healthy engines (but where the host starved one of CPU: below), and
+   the cached prompts taught no fast prefill (each node's learnt prefill
+   speed within 6x of its peers');
 2. one engine is throttled to about a third of its speed (``throttle``
    below: SIGSTOP for 2/3 of every 0.6 s): it is degraded or quarantined
-   within 30 s, its share of requests falls at least 3x, and once it runs
-   freely again it is healthy again; the other two stay healthy throughout
-   (idem);
+   within 30 s, it then serves at most half of what each healthy engine
+   serves, and once it runs freely again it is healthy again; the other two
+   stay healthy throughout (idem);
 3. one engine is killed with ``kill -9`` mid-stream: that stream moves to
    another engine (no client sees an error) and the next requests fail over.
 

@@ -1,8 +1,8 @@
 """The ``tailguard`` policy's options (``policy_options`` in a fleet file or scenario).
 
-Apart from the policy, which is compiled (``tailguard/_compiled.py``): the
+Kept apart from the policy, which is compiled (``tailguard/_compiled.py``): the
 configuration layer builds the option block's model from this dataclass's
-fields, which a compiled dataclass does not expose as the interpreter's does.
+fields, which a compiled dataclass hides.
 """
 
 from __future__ import annotations
