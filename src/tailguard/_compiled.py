@@ -15,9 +15,10 @@ import importlib.machinery
 from pathlib import Path
 
 # The engine model, and what the core runs at every routing decision and answer
-# (the latency formulas and estimators, the learner, the default policy) and the
-# simulator at every stream report: pure computation on typed values. Nothing
-# monkeypatches them or subclasses their classes from interpreted code; a class
+# (the latency formulas and estimators, the learner, the default policy, the
+# exchange) and the simulator at every stream report: pure computation on typed
+# values. Nothing monkeypatches them, and a class that interpreted code
+# subclasses says so (mypyc_attr, as the exchange does); a class
 # attribute that must stay one is declared ClassVar; no configuration format
 # reads their classes' fields (a compiled dataclass hides them: hence
 # engine/config.py and core/policies/tailguard_options.py). Not compiled: the
@@ -36,6 +37,7 @@ MODULES = (
     "tailguard.core.policies.tailguard",
     "tailguard.core.learner",
     "tailguard.sim.streams",
+    "tailguard.core.exchange",
 )
 
 

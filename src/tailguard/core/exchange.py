@@ -84,6 +84,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from tailguard.core.admission import Shed, Waiter
 from tailguard.core.balancer import Balancer, Ticket
 from tailguard.core.exchange_types import (
@@ -148,6 +150,9 @@ MOVES: Mapping[Phase, frozenset[Phase]] = {
 }
 
 
+# Compiled (tailguard/_compiled.py); drivers and tests may still subclass it
+# (``exchange_type``: the gateway's and the endpoint picker's tracing tests do).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Exchange:
     """The lifecycle of one request; see the module docstring."""
 
