@@ -20,7 +20,7 @@ install: $(STAMP) sysdeps compile
 # changes: Python imports a compiled module before its source, and tailguard refuses
 # to start from a checkout whose compiled modules are older than their sources.
 COMPILED_STAMP := $(VENV)/.compiled
-COMPILED_SRC := src/tailguard/_compiled.py $(shell $(PY) -c 'import runpy; print(*("src/" + m.replace(".", "/") + ".py" for m in runpy.run_path("src/tailguard/_compiled.py")["MODULES"]))')
+COMPILED_SRC := src/tailguard/_compiled.py $(shell $(PY) -c 'import runpy; print(*runpy.run_path("src/tailguard/_compiled.py")["SOURCES"])')
 $(COMPILED_STAMP): setup.py $(COMPILED_SRC) | $(CORE_STAMP)
 	@echo "compiling the hot paths (mypyc)"
 	@find src -name '*.so' -delete

@@ -26,8 +26,7 @@ from setuptools.command.build_ext import build_ext
 
 # The compiled modules (and why these): src/tailguard/_compiled.py, which imports
 # nothing of tailguard, so that it is read before the package can be imported.
-MODULES: tuple[str, ...] = runpy.run_path("src/tailguard/_compiled.py")["MODULES"]
-COMPILED = ["src/" + name.replace(".", "/") + ".py" for name in MODULES]
+COMPILED: list[str] = list(runpy.run_path("src/tailguard/_compiled.py")["SOURCES"])
 
 
 class OptionalBuildExt(build_ext):

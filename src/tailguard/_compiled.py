@@ -39,6 +39,9 @@ MODULES = (
     "tailguard.sim.streams",
     "tailguard.core.exchange",
 )
+# Their source files from the repository root: what setup.py compiles and `make
+# compile` watches.
+SOURCES = tuple("src/" + name.replace(".", "/") + ".py" for name in MODULES)
 
 
 def stale(root: Path) -> list[str]:
@@ -78,4 +81,4 @@ def check() -> None:
             "run every module from its source)")
 
 
-__all__ = ["MODULES", "check", "loaded", "stale"]
+__all__ = ["MODULES", "SOURCES", "check", "loaded", "stale"]
